@@ -1,0 +1,49 @@
+"""Argument checks at the public boundary: one message shape, ``name must be ..., got ...``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as an int >= 1, else ``TypeError`` / ``ValueError`` naming ``name``."""
+    return int_at_least(value, name, 1)
+
+
+def int_at_least(value: Any, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> torch.Tensor:
+    """A list, range, array or tensor of indices in ``[0, size)`` as a long tensor on ``device``.
+
+    Raises ``TypeError`` for non-integer input and ``IndexError`` for an index out of range.
+    """
+    if isinstance(indices, (range, Sequence)) and not isinstance(indices, (str, bytes)):
+        indices = list(indices)
+        if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in indices):
+            raise TypeError(f"{name} must hold ints, got {indices!r}")
+        tensor = torch.tensor(indices, dtype=torch.long)
+    elif isinstance(indices, np.ndarray):
+        tensor = torch.from_numpy(np.asarray(indices))
+    elif isinstance(indices, torch.Tensor):
+        tensor = indices
+    else:
+        raise TypeError(f"{name} must be a list, range, array or tensor of ints, got {indices!r}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {tensor.dtype}")
+    tensor = tensor.reshape(-1).to(torch.long)
+    if tensor.numel():
+        low, high = int(tensor.min()), int(tensor.max())
+        if low < 0 or high >= size:
+            bad = low if low < 0 else high
+            raise IndexError(f"{name} must lie in [0, {size}) (the stored items), got {bad}")
+    return tensor.to(device)

@@ -1,0 +1,361 @@
+"""``ReplayBuffer``: a transition ring buffer with ObjectRL's API on TorchRL storage.
+
+Rows are written round-robin into ``buffer_size`` slots; once full, slot ``pointer`` holds the
+oldest transition and is the next one overwritten. Every write is converted and checked against
+the field spec fixed by the first write before TorchRL sees it, so a bad write raises and leaves
+the buffer exactly as it was.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import TensorDictReplayBuffer
+
+from replaybuf import metadata
+from replaybuf.args import index_tensor, int_at_least, positive_int
+from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
+from replaybuf.iterators import epoch_batches, epoch_order, num_batches
+from replaybuf.schema import FieldSpec, Key, to_tensordict
+from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+
+logger = logging.getLogger("replaybuf")
+
+
+class ReplayBuffer:
+    """A fixed-size transition buffer storing on ``storing_device`` and serving on ``device``.
+
+    Args:
+        device: where sampled batches are delivered (the training device).
+        storing_device: where rows are kept (``"cpu"`` or a CUDA device).
+        buffer_size: capacity in transitions.
+        print_gc_warning: log a warning when ``reset`` runs the garbage collector (ObjectRL).
+        storage: ``"auto"`` (memmap on CPU, tensor on CUDA), ``"memmap"`` or ``"tensor"``.
+        scratch_dir: existing folder for memmap files; a private subfolder is created there
+            and removed by ``close()``. Defaults to the system temporary folder (on disk).
+        seed: seeds the sampling generator, for reproducible batches.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        storing_device: torch.device | str,
+        buffer_size: int,
+        print_gc_warning: bool = False,
+        *,
+        storage: str = "auto",
+        scratch_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.device = resolve_device(device, "device")
+        self.storing_device = resolve_device(storing_device, "storing_device")
+        capacity = positive_int(buffer_size, "buffer_size")
+        kind = resolve_kind(storage, self.storing_device)
+        self.print_gc_warning = print_gc_warning
+        self._slots = SlotStorage(
+            capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
+        )
+        self._generator = torch.Generator(device=self.storing_device)
+        if seed is not None:
+            self._generator.manual_seed(int_at_least(seed, "seed", 0))
+        else:
+            self._generator.seed()
+        self._pointer = 0
+        self._size = 0
+        self._closed = False
+        self._iterator: Iterator[TensorDict] | None = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def memory(self) -> TensorDictReplayBuffer:
+        """The TorchRL ``TensorDictReplayBuffer`` that holds the rows."""
+        self._check_open()
+        return self._slots.memory
+
+    @property
+    def buffer_size(self) -> int:
+        return self._slots.capacity
+
+    @property
+    def size(self) -> int:
+        """Transitions stored now."""
+        return self._size
+
+    data_size = size
+
+    @property
+    def pointer(self) -> int:
+        """The slot the next transition goes to (the oldest one once the buffer is full)."""
+        return self._pointer
+
+    @property
+    def spec(self) -> FieldSpec | None:
+        """Keys, shapes and dtypes fixed by the first write (``None`` before it)."""
+        return self._slots.spec
+
+    @property
+    def storage_kind(self) -> str:
+        return self._slots.kind
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayBuffer(size={self._size}, buffer_size={self.buffer_size}, "
+            f"storage={self.storage_kind!r}, storing_device={self.storing_device}, "
+            f"device={self.device})"
+        )
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Release storage and remove its memmap files. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._iterator = None
+            self._slots.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+
+    def reset(self, buffer_size: int | None = None) -> None:
+        """Empty the buffer (the field spec too), optionally with a new capacity."""
+        self._check_open()
+        if buffer_size is not None:
+            buffer_size = positive_int(buffer_size, "buffer_size")
+        self._slots.reset(buffer_size)
+        self._pointer = 0
+        self._size = 0
+        self._iterator = None
+        gc.collect()  # release the old storage's mapped files now, as ObjectRL does
+        if self.print_gc_warning:
+            logger.warning("ReplayBuffer.reset ran the garbage collector")
+
+    # ----------------------------------------------------------------- writes
+    def add(self, experience: TensorDictBase | dict[str, Any]) -> None:
+        """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
+        self._check_open()
+        if isinstance(experience, TensorDictBase) and experience.batch_dims:
+            raise ValueError(
+                "add expects one transition (batch_size []), got batch_size "
+                f"{list(experience.batch_size)}; use add_batch for batches"
+            )
+        td = to_tensordict(experience, batched=False, what="add", spec=self.spec)
+        self._write(td.unsqueeze(0), "add")
+
+    def add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
+        """Add a batch of transitions (leading dimension = rows); keeps the newest on overflow."""
+        self._check_open()
+        td = to_tensordict(batch, batched=True, what="add_batch", spec=self.spec)
+        self._write(td, "add_batch")
+
+    def _write(self, td: TensorDict, what: str) -> None:
+        if self.spec is None:
+            self._slots.prepare(FieldSpec.of(td, 1))
+        else:
+            self.spec.check(td, 1, what)
+        rows = td.shape[0]
+        if rows == 0:
+            return
+        capacity = self.buffer_size
+        if rows > capacity:
+            td = td[rows - capacity :]  # only the newest rows survive a wrap anyway
+            rows = capacity
+        self._slots.extend(td)
+        self._pointer = (self._pointer + rows) % capacity
+        self._size = min(self._size + rows, capacity)
+
+    # ----------------------------------------------------------------- reads
+    def _require(self, batch_size: int | None = None) -> None:
+        self._check_open()
+        if batch_size is not None:
+            positive_int(batch_size, "batch_size")
+        if self._size == 0:
+            raise EmptyBufferError("cannot sample: the buffer is empty")
+
+    def _oldest_first(self) -> torch.Tensor:
+        """Slots of the stored transitions, oldest first."""
+        order = torch.arange(self._size, device=self.storing_device)
+        if self._size == self.buffer_size:
+            order = (order + self._pointer) % self.buffer_size
+        return order
+
+    def sample_batch(self, batch_size: int) -> TensorDict:
+        """``batch_size`` transitions drawn uniformly with replacement, on ``device``."""
+        self._require(batch_size)
+        slots = torch.randint(
+            0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
+        )
+        return self._slots.gather(slots, self.device)
+
+    def sample_random(self, batch_size: int) -> TensorDict:
+        """Alias of :meth:`sample_batch` (ObjectRL's name)."""
+        return self.sample_batch(batch_size)
+
+    def sample_by_index(self, indices: Sequence[int] | range | torch.Tensor) -> TensorDict:
+        """The transitions in the given storage slots (each in ``[0, size)``), on ``device``."""
+        self._require()
+        slots = index_tensor(indices, "indices", self._size, self.storing_device)
+        return self._slots.gather(slots, self.device)
+
+    def sample_by_index_fields(
+        self, indices: Sequence[int] | range | torch.Tensor, fields: Sequence[str | Key]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Some fields of the transitions in the given slots: a tensor, or a tuple in order."""
+        self._require()
+        if isinstance(fields, str) or not fields:
+            raise TypeError(f"fields must be a non-empty list of field names, got {fields!r}")
+        keys = [self._field_key(f) for f in fields]
+        slots = index_tensor(indices, "indices", self._size, self.storing_device)
+        td = self._slots.gather(slots, self.device, keys=keys)
+        values = tuple(td.get(k) for k in keys)
+        return values[0] if len(values) == 1 else values
+
+    def _field_key(self, field: str | Key) -> Key:
+        key = (field,) if isinstance(field, str) else tuple(field)
+        spec = self.spec
+        if spec is None or key not in spec:
+            known = [".".join(k) for k in spec] if spec is not None else []
+            raise KeyError(f"unknown field {field!r}; stored fields are {known}")
+        return key
+
+    def sample_all(self) -> TensorDict:
+        """Every stored transition, oldest first, on ``device``."""
+        self._require()
+        return self._slots.gather(self._oldest_first(), self.device)
+
+    # ----------------------------------------------------------------- epochs
+    def create_epoch_iterator(
+        self, batch_size: int, n_epochs: int = 1, *, shuffle: bool = True, drop_last: bool = False
+    ) -> Iterator[TensorDict]:
+        """Batches over ``n_epochs`` epochs; each visits every stored transition exactly once.
+
+        Each epoch is planned from the transitions stored when it starts (a fresh permutation,
+        or oldest first with ``shuffle=False``); rows written meanwhile into a planned slot are
+        served with their new contents. The iterator is also installed for
+        :meth:`get_next_batch`.
+        """
+        self._require(batch_size)
+        n_epochs = int_at_least(n_epochs, "n_epochs", 1)
+        self._iterator = self._epochs(batch_size, n_epochs, shuffle, drop_last)
+        return self._iterator
+
+    def _epochs(
+        self, batch_size: int, n_epochs: int, shuffle: bool, drop_last: bool
+    ) -> Iterator[TensorDict]:
+        for _ in range(n_epochs):
+            order = epoch_order(self._oldest_first(), shuffle, self._generator)
+            for slots in epoch_batches(order, batch_size, drop_last):
+                self._check_open()
+                yield self._slots.gather(slots, self.device)
+
+    def get_next_batch(self, batch_size: int) -> TensorDict:
+        """The next batch of the installed epoch iterator, else a uniform random batch.
+
+        When the installed iterator is exhausted it is dropped and this falls back to
+        :meth:`sample_batch`, exactly as when no iterator was ever created (ObjectRL's
+        ``n_epochs=0`` mode).
+        """
+        if self._iterator is not None:
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+        return self.sample_batch(batch_size)
+
+    def calculate_num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
+        """Batches in one epoch over what is stored: rounded up, or down with ``drop_last``."""
+        return num_batches(self._size, positive_int(batch_size, "batch_size"), drop_last)
+
+    def get_steps_and_iterator(self, n_epochs: int, max_iter: int, batch_size: int) -> int:
+        """Training steps to run, installing an epoch iterator when ``n_epochs > 0``.
+
+        ``n_epochs=0`` means random sampling for ``max_iter`` steps (no iterator).
+        """
+        n_epochs = int_at_least(n_epochs, "n_epochs", 0)
+        if n_epochs == 0:
+            self._iterator = None
+            return int_at_least(max_iter, "max_iter", 0)
+        self.create_epoch_iterator(batch_size, n_epochs)
+        return n_epochs * self.calculate_num_batches(batch_size)
+
+    # ----------------------------------------------------------------- introspection
+    def stats(self) -> dict[str, Any]:
+        """Size, capacity, pointer, storage kind, devices, bytes and the field spec."""
+        self._check_open()
+        return {
+            "size": self._size,
+            "capacity": self.buffer_size,
+            "pointer": self._pointer,
+            "storage": self.storage_kind,
+            "device": str(self.device),
+            "storing_device": str(self.storing_device),
+            "bytes": self._slots.stored_bytes(),
+            "planned_bytes": self._slots.planned_bytes,
+            "scratch_dir": None
+            if self._slots.scratch_path is None
+            else str(self._slots.scratch_path),
+            "spec": None if self.spec is None else self.spec.to_json(),
+        }
+
+    # ----------------------------------------------------------------- metadata
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
+        self._check_open()
+        metadata.write_metadata(
+            path,
+            "ReplayBuffer",
+            {
+                "buffer_size": self.buffer_size,
+                "data_size": self._size,
+                "pointer": self._pointer,
+                "storage": self.storage_kind,
+                "device": str(self.device),
+                "storing_device": str(self.storing_device),
+                "spec": None if self.spec is None else self.spec.to_json(),
+            },
+        )
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read ``path + ".metadata"``, check it against this buffer, and return it.
+
+        Metadata holds no rows, so ``data_size`` and ``pointer`` are reported, not adopted
+        (adopting them would make the buffer claim rows it does not hold). An empty buffer takes
+        the file's ``buffer_size`` and field spec, so the next write is checked against it.
+        Raises :class:`MetadataError` for a missing, corrupt, foreign or mismatching file.
+        """
+        self._check_open()
+        document = metadata.read_metadata(path, "ReplayBuffer")
+        buffer_size = metadata.require_int(document, "buffer_size", 1)
+        metadata.require_int(document, "data_size", 0, buffer_size)
+        metadata.require_int(document, "pointer", 0, buffer_size - 1)
+        try:
+            spec = None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
+        if self._size:
+            if buffer_size != self.buffer_size:
+                raise MetadataError(
+                    f"buffer_size: metadata has {buffer_size}, this buffer {self.buffer_size}"
+                )
+            if spec is not None and spec != self.spec:
+                raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
+            return document
+        if buffer_size != self.buffer_size or self.spec is not None:
+            self._slots.reset(buffer_size)
+        if spec is not None:
+            self._slots.prepare(spec)
+        return document

@@ -1,0 +1,245 @@
+"""Field specs: turn user input into a checked TensorDict before anything touches storage.
+
+TorchRL advances its cursor before a failing ``extend`` raises, broadcasts ``[1]`` into ``[4]``,
+and adds or drops unknown keys depending on the storage (``shared/RELIABILITY.md`` §5), so every
+write is converted and checked here first. The first write fixes the spec; every later write must
+match it key for key, shape for shape and dtype for dtype. Python numbers are the one lossless
+exception: they take the field's dtype when the value survives the cast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from replaybuf.errors import SchemaError
+
+Key = tuple[str, ...]
+# Keys the buffers add to their own output; a user field with one of these names would be shadowed.
+RESERVED_KEYS = frozenset({"index"})
+_SCALARS = (bool, int, float, np.generic)
+
+
+def key_name(key: Key) -> str:
+    """A nested key as users write it: ``obs`` or ``obs.pixels``."""
+    return ".".join(key)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One stored leaf: its per-row shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+class FieldSpec(Mapping[Key, Field]):
+    """An ordered, immutable mapping from nested key to :class:`Field`."""
+
+    def __init__(self, fields: Mapping[Key, Field]) -> None:
+        self._fields = dict(sorted(fields.items()))
+
+    def __getitem__(self, key: Key) -> Field:
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{key_name(k)}: {f.describe()}" for k, f in self._fields.items())
+        return f"FieldSpec({inner})"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row of every field occupies."""
+        return sum(f.row_bytes for f in self._fields.values())
+
+    @classmethod
+    def of(cls, td: TensorDictBase, batch_dims: int) -> FieldSpec:
+        """The spec of ``td``'s leaves, dropping its first ``batch_dims`` dimensions."""
+        fields = {}
+        for key, value in _leaves(td):
+            fields[key] = Field(tuple(value.shape[batch_dims:]), value.dtype)
+        return cls(fields)
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        return {
+            key_name(k): {"key": list(k), "shape": list(f.shape), "dtype": str(f.dtype)}
+            for k, f in self._fields.items()
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FieldSpec:
+        """Rebuild a spec written by :meth:`to_json`; raises ``ValueError`` on anything else."""
+        fields = {}
+        for name, entry in data.items():
+            dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"field {name!r}: unknown dtype {entry['dtype']!r}")
+            key = tuple(str(part) for part in entry["key"])
+            fields[key] = Field(tuple(int(d) for d in entry["shape"]), dtype)
+        return cls(fields)
+
+    def zeros(self, rows: int, device: torch.device | str = "cpu") -> TensorDict:
+        """A TensorDict of ``rows`` zero rows matching the spec (filler rows, tests)."""
+        td = TensorDict({}, batch_size=[rows], device=device)
+        for key, f in self._fields.items():
+            td.set(key, torch.zeros((rows, *f.shape), dtype=f.dtype, device=device))
+        return td
+
+    def check(self, td: TensorDictBase, batch_dims: int, what: str) -> None:
+        """Raise :class:`SchemaError` unless ``td`` matches the spec exactly."""
+        got = dict(_leaves(td))
+        missing = [key_name(k) for k in self._fields if k not in got]
+        extra = [key_name(k) for k in got if k not in self._fields]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing}")
+            if extra:
+                parts.append(f"unexpected {extra}")
+            raise SchemaError(
+                f"{what}: keys differ from the stored spec ({'; '.join(parts)}); "
+                f"expected {sorted(key_name(k) for k in self._fields)}"
+            )
+        for key, f in self._fields.items():
+            value = got[key]
+            shape = tuple(value.shape[batch_dims:])
+            if shape != f.shape:
+                raise SchemaError(
+                    f"{what}: field {key_name(key)!r} expected shape {list(f.shape)}, "
+                    f"got {list(shape)}"
+                )
+            if value.dtype != f.dtype:
+                raise SchemaError(
+                    f"{what}: field {key_name(key)!r} expected dtype {f.dtype}, got {value.dtype}"
+                )
+
+
+def _leaves(td: TensorDictBase) -> Iterator[tuple[Key, torch.Tensor]]:
+    for key, value in td.items(include_nested=True, leaves_only=True):
+        yield (key,) if isinstance(key, str) else tuple(key), value
+
+
+def to_tensordict(
+    data: Any,
+    *,
+    batched: bool,
+    what: str,
+    spec: FieldSpec | None = None,
+) -> TensorDict:
+    """Convert one row (``batched=False``) or a batch of rows into a detached CPU-or-device TD.
+
+    Accepts a TensorDict or a (nested) mapping of tensors, numpy arrays and Python numbers.
+    Python numbers take the spec's dtype when the cast is lossless. The result's batch size is
+    ``[]`` for one row and ``[rows]`` for a batch; rows are checked to agree across fields.
+    Raises ``TypeError`` for unsupported values and :class:`SchemaError` for structural errors.
+    """
+    if isinstance(data, TensorDictBase):
+        items = list(_leaves(data))
+    elif isinstance(data, Mapping):
+        items = list(_flatten_mapping(data, (), what))
+    else:
+        raise TypeError(f"{what}: expected a TensorDict or a dict of tensors, got {_kind(data)}")
+    if not items:
+        raise SchemaError(f"{what}: expected at least one field, got none")
+    leaves: dict[Key, torch.Tensor] = {}
+    for key, value in items:
+        if key[0] in RESERVED_KEYS:
+            raise SchemaError(f"{what}: field name {key[0]!r} is reserved by replaybuf")
+        field = spec.get(key) if spec is not None else None
+        leaves[key] = _to_tensor(value, key, field, batched, what)
+    rows = _common_rows(leaves, what) if batched else None
+    td = TensorDict({}, batch_size=[rows] if batched else [])
+    for key, value in leaves.items():
+        td.set(key, value)
+    return td
+
+
+def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Key, Any]]:
+    for name, value in data.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: field names must be str, got {name!r}")
+        key = (*prefix, name)
+        if isinstance(value, Mapping):
+            if not value:
+                raise SchemaError(f"{what}: field {key_name(key)!r} is an empty dict")
+            yield from _flatten_mapping(value, key, what)
+        else:
+            yield key, value
+
+
+def _to_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: str) -> torch.Tensor:
+    name = key_name(key)
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise SchemaError(f"{what}: field {name!r} is a meta tensor (it holds no data)")
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            raise TypeError(f"{what}: field {name!r} is an object array; expected numbers")
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, _SCALARS) and not batched:
+        return _scalar(value.item() if isinstance(value, np.generic) else value, name, field, what)
+    if isinstance(value, _SCALARS):
+        raise SchemaError(
+            f"{what}: field {name!r} expected a batch of rows, got a scalar {value!r}"
+        )
+    raise TypeError(
+        f"{what}: field {name!r} expected a tensor, array or number, got {_kind(value)}"
+    )
+
+
+def _scalar(value: bool | int | float, name: str, field: Field | None, what: str) -> torch.Tensor:
+    """A Python number as a 0-d tensor, in the field's dtype when that holds it.
+
+    Floats round into any floating dtype (that is what storing a float means); ints must fit
+    exactly; a float never goes silently into an integer or bool field.
+    """
+    if field is None or field.shape != ():
+        return torch.tensor(value)
+    dtype = field.dtype
+    cast = None
+    if dtype.is_floating_point or not isinstance(value, float):
+        try:
+            cast = torch.tensor(value, dtype=dtype)
+        except (RuntimeError, OverflowError):
+            cast = None
+    if cast is None or (not isinstance(value, float) and cast.item() != value):
+        raise SchemaError(
+            f"{what}: field {name!r} expected dtype {dtype}, got {value!r} which it cannot hold"
+        )
+    return cast
+
+
+def _common_rows(leaves: Mapping[Key, torch.Tensor], what: str) -> int:
+    sizes = {key_name(k): (v.shape[0] if v.dim() else None) for k, v in leaves.items()}
+    scalars = [n for n, s in sizes.items() if s is None]
+    if scalars:
+        raise SchemaError(
+            f"{what}: field {scalars[0]!r} expected a batch of rows, got a 0-d tensor"
+        )
+    distinct = set(sizes.values())
+    if len(distinct) != 1:
+        raise SchemaError(f"{what}: fields disagree on the batch dimension: {sizes}")
+    return int(distinct.pop())
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
