@@ -1,6 +1,8 @@
 """replaybuf: a TorchRL-backed replay buffer that is correct, fast, and never loses data."""
 
+from replaybuf.aio import EpisodeReplayBuffer
 from replaybuf.buffer import ReplayBuffer
+from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 from replaybuf.errors import (
     BufferClosedError,
     EmptyBufferError,
@@ -10,6 +12,7 @@ from replaybuf.errors import (
     ReplayBufError,
     SchemaError,
 )
+from replaybuf.nstep import compute_discounted_return
 from replaybuf.schema import Field, FieldSpec
 
 __version__ = "0.1.0"
@@ -17,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BufferClosedError",
     "EmptyBufferError",
+    "EpisodeReplayBuffer",
     "EpisodeStateError",
     "Field",
     "FieldSpec",
@@ -25,5 +29,7 @@ __all__ = [
     "ReplayBufError",
     "ReplayBuffer",
     "SchemaError",
+    "SyncEpisodeReplayBuffer",
     "__version__",
+    "compute_discounted_return",
 ]

@@ -57,13 +57,15 @@ class ReplayBuffer:
         self.storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
         kind = resolve_kind(storage, self.storing_device)
+        if seed is not None:
+            seed = int_at_least(seed, "seed", 0)
         self.print_gc_warning = print_gc_warning
         self._slots = SlotStorage(
             capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
         self._generator = torch.Generator(device=self.storing_device)
         if seed is not None:
-            self._generator.manual_seed(int_at_least(seed, "seed", 0))
+            self._generator.manual_seed(seed)
         else:
             self._generator.seed()
         self._pointer = 0
@@ -163,17 +165,23 @@ class ReplayBuffer:
         self._write(td, "add_batch")
 
     def _write(self, td: TensorDict, what: str) -> None:
+        rows = td.shape[0]
         if self.spec is None:
+            if rows == 0:
+                return  # an empty batch must not fix the spec
             self._slots.prepare(FieldSpec.of(td, 1))
         else:
             self.spec.check(td, 1, what)
-        rows = td.shape[0]
         if rows == 0:
             return
         capacity = self.buffer_size
         if rows > capacity:
-            td = td[rows - capacity :]  # only the newest rows survive a wrap anyway
-            rows = capacity
+            # Only the newest rows survive, in the slots writing every row would give them
+            # (so the layout does not depend on chunking): writing `rows % capacity` rows
+            # first moves TorchRL's cursor there; the newest `capacity` rows then cover them.
+            if rows % capacity:
+                self._slots.extend(td[: rows % capacity])
+            td = td[rows - capacity :]
         self._slots.extend(td)
         self._pointer = (self._pointer + rows) % capacity
         self._size = min(self._size + rows, capacity)
@@ -227,6 +235,8 @@ class ReplayBuffer:
     def _field_key(self, field: str | Key) -> Key:
         key = (field,) if isinstance(field, str) else tuple(field)
         spec = self.spec
+        if spec is not None and isinstance(field, str) and key not in spec:
+            key = tuple(field.split("."))  # "next.obs", as stats() and errors name it
         if spec is None or key not in spec:
             known = [".".join(k) for k in spec] if spec is not None else []
             raise KeyError(f"unknown field {field!r}; stored fields are {known}")

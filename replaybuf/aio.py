@@ -1,0 +1,228 @@
+"""``EpisodeReplayBuffer``: the asyncio facade over :class:`SyncEpisodeReplayBuffer`.
+
+Each coroutine first yields once to the event loop (a cancellation point), then runs its
+synchronous core call to completion under one lock, with no ``await`` inside. So under
+cancellation an operation either completes or never started, and concurrent tasks (collectors,
+learners, stats readers) never observe a half-applied write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from tensordict import TensorDict
+
+from replaybuf.args import int_at_least
+from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.errors import BufferClosedError
+from replaybuf.sampling import NArg
+
+T = TypeVar("T")
+
+
+class EpisodeReplayBuffer:
+    """Many asyncio tasks write episodes while others sample from the same buffer.
+
+    Takes the arguments of :class:`SyncEpisodeReplayBuffer`. ``len(buf)`` (valid steps) is the
+    one plain call; everything else is awaited.
+    """
+
+    def __init__(
+        self,
+        max_steps: int,
+        max_episodes: int | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        storing_device: torch.device | str = "cpu",
+        storage: str = "auto",
+        scratch_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+        min_steps: int = 0,
+    ) -> None:
+        self._sync = SyncEpisodeReplayBuffer(
+            max_steps,
+            max_episodes,
+            device=device,
+            storing_device=storing_device,
+            storage=storage,
+            scratch_dir=scratch_dir,
+            seed=seed,
+            min_steps=min_steps,
+        )
+        self._lock = asyncio.Lock()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    @property
+    def sync(self) -> SyncEpisodeReplayBuffer:
+        """The synchronous core (for code that holds no event loop; not for concurrent use)."""
+        return self._sync
+
+    @property
+    def memory(self):
+        return self._sync.memory
+
+    def __len__(self) -> int:
+        return len(self._sync)
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        await asyncio.sleep(0)  # cancellation point: nothing has changed yet
+        async with self._lock:
+            result = fn(*args, **kwargs)  # synchronous and atomic: no await inside
+        self._wake_waiters()
+        return result
+
+    def _wake_waiters(self) -> None:
+        if not self._waiters:
+            return
+        have = len(self._sync)
+        keep = []
+        for need, future in self._waiters:
+            if future.done():
+                continue
+            if have >= need:
+                future.set_result(None)
+            else:
+                keep.append((need, future))
+        self._waiters = keep
+
+    # ----------------------------------------------------------------- writes
+    async def start_episode(self, agent_id: str = "default") -> int:
+        return await self._call(self._sync.start_episode, agent_id)
+
+    async def append_observation_action_reward(
+        self,
+        episode_id: int,
+        observation: Any,
+        action: Any,
+        reward: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        await self._call(
+            self._sync.append_observation_action_reward,
+            episode_id,
+            observation,
+            action,
+            reward,
+            extras,
+        )
+
+    async def append_batch(
+        self,
+        episode_ids: Sequence[int],
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        await self._call(
+            self._sync.append_batch, episode_ids, observations, actions, rewards, extras
+        )
+
+    async def end_episode(
+        self, episode_id: int, status: str = "terminated", final_observation: Any = None
+    ) -> None:
+        await self._call(self._sync.end_episode, episode_id, status, final_observation)
+
+    # ----------------------------------------------------------------- reads
+    async def sample_n_step(
+        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+    ) -> TensorDict:
+        return await self._call(self._sync.sample_n_step, batch_size, n, gamma, replace=replace)
+
+    async def sample_sequences(
+        self, batch_size: int, seq_len: int, *, strict: bool = True
+    ) -> TensorDict:
+        return await self._call(self._sync.sample_sequences, batch_size, seq_len, strict=strict)
+
+    async def get_episode(self, episode_id: int) -> TensorDict:
+        return await self._call(self._sync.get_episode, episode_id)
+
+    async def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+        return await self._call(self._sync.sample_episodes, k, replace=replace)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._call(self._sync.stats)
+
+    async def iterate_epochs(
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> AsyncIterator[TensorDict]:
+        """Async n-step epoch batches; the next batch is prepared while the caller works.
+
+        Each batch is built under the lock, so writers interleave between batches; semantics
+        are those of :meth:`SyncEpisodeReplayBuffer.iterate_epochs`.
+        """
+        batches = await self._call(
+            self._sync.iterate_epochs,
+            batch_size,
+            n_epochs,
+            n=n,
+            gamma=gamma,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
+
+        async def prepare() -> TensorDict | None:
+            async with self._lock:
+                return next(batches, None)
+
+        pending = asyncio.ensure_future(prepare())
+        try:
+            while True:
+                batch = await pending
+                if batch is None:
+                    return
+                pending = asyncio.ensure_future(prepare())  # overlaps the caller's work
+                yield batch
+        finally:
+            if not pending.done():
+                pending.cancel()
+            batches.close()
+
+    async def wait_for_steps(self, min_steps: int) -> None:
+        """Return once at least ``min_steps`` valid steps are stored (no polling)."""
+        need = int_at_least(min_steps, "min_steps", 0)
+        self._sync._check_open()
+        if len(self._sync) >= need:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((need, future))
+        try:
+            await future
+        finally:
+            self._waiters = [(n, f) for n, f in self._waiters if f is not future]
+
+    # ----------------------------------------------------------------- lifecycle
+    async def clear(self) -> None:
+        await self._call(self._sync.clear)
+
+    async def close(self) -> None:
+        """Close the buffer; tasks waiting in :meth:`wait_for_steps` get BufferClosedError."""
+        async with self._lock:
+            self._sync.close()
+        waiters, self._waiters = self._waiters, []
+        for _, future in waiters:
+            if not future.done():
+                future.set_exception(BufferClosedError("the buffer was closed while waiting"))
+
+    async def __aenter__(self) -> EpisodeReplayBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def save(self, path: str | os.PathLike) -> None:
+        await self._call(self._sync.save, path)
+
+    async def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        return await self._call(self._sync.load, path)

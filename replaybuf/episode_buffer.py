@@ -1,0 +1,404 @@
+"""``SyncEpisodeReplayBuffer``: the episode buffer's public API as plain calls.
+
+For trainers without an event loop; :class:`replaybuf.EpisodeReplayBuffer` is a lock-guarded
+asyncio facade over it. Arguments are validated here, once; the state lives in
+:class:`replaybuf.episodes.EpisodeCore`. Every method either completes or raises with the
+buffer unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from replaybuf import metadata
+from replaybuf.args import int_at_least, positive_int
+from replaybuf.episodes import STATUSES, EpisodeCore
+from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
+from replaybuf.iterators import epoch_batches, epoch_order
+from replaybuf.sampling import (
+    NArg,
+    episode_record,
+    nstep_batch,
+    sample_sequence_starts,
+    sequence_batch,
+)
+from replaybuf.schema import FieldSpec
+from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+
+KIND = "EpisodeReplayBuffer"
+
+
+def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
+    """Rows reserved for final observations beside the ``max_steps`` step rows.
+
+    One per stored episode; without ``max_episodes`` we reserve max_steps/16 (at least 16), so
+    episodes shorter than 16 steps on average can be evicted before ``max_steps`` is reached.
+    """
+    if max_episodes is not None:
+        return max_episodes
+    return max(16, math.ceil(max_steps / 16))
+
+
+def check_n(n: Any) -> NArg:
+    if isinstance(n, tuple | list):
+        if len(n) != 2:
+            raise ValueError(f"n must be an int or a (low, high) pair, got {n!r}")
+        low = positive_int(n[0], "n[0] (low)")
+        high = positive_int(n[1], "n[1] (high)")
+        if high < low:
+            raise ValueError(f"n must have low <= high, got {tuple(n)!r}")
+        return (low, high)
+    return positive_int(n, "n")
+
+
+def check_gamma(gamma: Any) -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float):
+        raise TypeError(f"gamma must be a float in (0, 1], got {gamma!r}")
+    if not 0.0 < float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in (0, 1], got {gamma}")
+    return float(gamma)
+
+
+class SyncEpisodeReplayBuffer:
+    """Episodes written step by step, sampled as n-step transitions, sequences or episodes.
+
+    Args:
+        max_steps: stored transitions (steps with an action) at most; final observations are
+            stored in extra rows (see :func:`final_rows_for`).
+        max_episodes: stored episodes at most (checked at ``start_episode``).
+        device: where sampled batches are delivered.
+        storing_device: where rows are kept (``"cpu"`` or CUDA).
+        storage: ``"auto"``, ``"memmap"`` or ``"tensor"``, as for :class:`ReplayBuffer`.
+        scratch_dir: existing folder for memmap files (a private subfolder is used).
+        seed: seeds sampling.
+        min_steps: sampling raises until at least this many valid steps are stored.
+    """
+
+    def __init__(
+        self,
+        max_steps: int,
+        max_episodes: int | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        storing_device: torch.device | str = "cpu",
+        storage: str = "auto",
+        scratch_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+        min_steps: int = 0,
+    ) -> None:
+        self.max_steps = positive_int(max_steps, "max_steps")
+        self.max_episodes = (
+            None if max_episodes is None else positive_int(max_episodes, "max_episodes")
+        )
+        self.min_steps = int_at_least(min_steps, "min_steps", 0)
+        self.device = resolve_device(device, "device")
+        self.storing_device = resolve_device(storing_device, "storing_device")
+        kind = resolve_kind(storage, self.storing_device)
+        rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
+        slots = SlotStorage(
+            rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
+        )
+        self._core = EpisodeCore(slots, self.max_steps, self.max_episodes)
+        self._generator = torch.Generator(device=self.storing_device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(int_at_least(seed, "seed", 0))
+        self._closed = False
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def memory(self):
+        """The TorchRL ``TensorDictReplayBuffer`` holding the rows (final observations too)."""
+        self._check_open()
+        return self._core.slots.memory
+
+    @property
+    def spec(self) -> FieldSpec | None:
+        """Stored keys (``observation``, ``action``, ``reward``, ``extras``), shapes and dtypes."""
+        return self._core.slots.spec
+
+    def __len__(self) -> int:
+        """Valid steps: stored steps whose next observation exists."""
+        return self._core.valid_steps
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+
+    # ----------------------------------------------------------------- lifecycle
+    def start_episode(self, agent_id: str = "default") -> int:
+        """Start an episode and return its id; may evict to respect ``max_episodes``."""
+        self._check_open()
+        if not isinstance(agent_id, str):
+            raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+        return self._core.start(agent_id)
+
+    def append_observation_action_reward(
+        self,
+        episode_id: int,
+        observation: Any,
+        action: Any,
+        reward: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Record one step: the observation acted in, the action, the reward it earned."""
+        self._check_open()
+        what = "append_observation_action_reward"
+        episode = self._core.in_progress(episode_id, "append to")
+        row = self._core.step_row(observation, action, reward, extras, False, what)
+        self._core.append([episode], row.unsqueeze(0))
+
+    def append_batch(
+        self,
+        episode_ids: Sequence[int],
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """One step for each of several episodes (a vectorized env); leading dim = episodes."""
+        self._check_open()
+        ids = list(episode_ids)
+        if not ids:
+            raise ValueError("episode_ids must name at least one episode, got none")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"episode_ids must be distinct, got {ids}")
+        episodes = [self._core.in_progress(i, "append to") for i in ids]
+        rows = self._core.step_row(observations, actions, rewards, extras, True, "append_batch")
+        if rows.shape[0] != len(ids):
+            raise ValueError(
+                f"append_batch: leading dimension expected {len(ids)} (len(episode_ids)), "
+                f"got {rows.shape[0]}"
+            )
+        self._core.append(episodes, rows)
+
+    def end_episode(
+        self, episode_id: int, status: str = "terminated", final_observation: Any = None
+    ) -> None:
+        """End an episode: ``terminated`` (or ARES's ``COMPLETED``) or ``truncated``."""
+        self._check_open()
+        if not isinstance(status, str) or status.lower() not in STATUSES:
+            raise ValueError(
+                f"status must be 'terminated', 'truncated' or 'COMPLETED', got {status!r}"
+            )
+        episode = self._core.in_progress(episode_id, "end")
+        if final_observation is None:
+            raise ValueError(
+                f"end_episode: final_observation is required (episode {episode_id}), got None"
+            )
+        final = self._core.final_row_data(final_observation, "end_episode")
+        self._core.end(episode, STATUSES[status.lower()], final)
+
+    # ----------------------------------------------------------------- sampling
+    def _require_steps(self, what: str) -> None:
+        self._check_open()
+        have = self._core.valid_steps
+        need = max(1, self.min_steps)
+        if have < need:
+            raise EmptyBufferError(
+                f"cannot {what}: {have} valid step(s) stored, need at least {need}"
+                + (f" (min_steps={self.min_steps})" if self.min_steps else "")
+            )
+        self._core.flush()
+
+    def sample_n_step(
+        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+    ) -> TensorDict:
+        """``batch_size`` n-step transitions, uniform over valid steps (distinct if not replace).
+
+        With ``replace=False`` fewer are returned when fewer valid steps exist.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        n, gamma = check_n(n), check_gamma(gamma)
+        self._require_steps("sample")
+        anchors = self._core.anchors
+        if replace:
+            start = anchors.sample(batch_size, self._generator)
+        else:
+            start = anchors.sample_distinct(batch_size, self._generator)
+        return nstep_batch(self._core, start, n, gamma, self.device, self._generator)
+
+    def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
+        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
+
+        ``strict=True`` starts only where ``seq_len`` steps fit (uniform over such starts);
+        ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        seq_len = positive_int(seq_len, "seq_len")
+        self._require_steps("sample sequences")
+        if strict:
+            start = sample_sequence_starts(self._core, batch_size, seq_len, self._generator)
+        else:
+            start = self._core.anchors.sample(batch_size, self._generator)
+        return sequence_batch(self._core, start, seq_len, self.device)
+
+    def iterate_epochs(
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> Iterator[TensorDict]:
+        """n-step batches; each epoch yields every step valid at its start exactly once.
+
+        A step evicted after its epoch started is skipped (so a batch may come out short);
+        steps that become valid mid-epoch wait for the next epoch.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        n_epochs = positive_int(n_epochs, "n_epochs")
+        n, gamma = check_n(n), check_gamma(gamma)
+        self._require_steps("iterate")
+        return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last)
+
+    def _epochs(
+        self, batch_size: int, n_epochs: int, n: NArg, gamma: float, shuffle: bool, drop_last: bool
+    ) -> Iterator[TensorDict]:
+        core = self._core
+        for _ in range(n_epochs):
+            self._check_open()
+            core.flush()
+            rows = core.anchors.snapshot()
+            owners = core.links.episode[rows]
+            order = epoch_order(
+                torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
+            )
+            for picks in epoch_batches(order, batch_size, drop_last):
+                self._check_open()
+                core.flush()
+                start, owner = rows[picks], owners[picks]
+                still = core.anchors.contains(start) & (core.links.episode[start] == owner)
+                if bool(still.any()):
+                    yield nstep_batch(core, start[still], n, gamma, self.device, self._generator)
+
+    # ----------------------------------------------------------------- episodes
+    def get_episode(self, episode_id: int) -> TensorDict:
+        """The whole stored episode (see :func:`replaybuf.sampling.episode_record`)."""
+        self._check_open()
+        episode = self._core.live(episode_id, "get")
+        self._core.flush()
+        return episode_record(self._core, episode, self.device)
+
+    def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+        """``k`` whole episodes drawn uniformly (distinct unless ``replace``; fewer if fewer)."""
+        k = positive_int(k, "k")
+        self._check_open()
+        ids = list(self._core.episodes)
+        if not ids:
+            raise EmptyBufferError("cannot sample episodes: the buffer holds none")
+        if replace:
+            picks = torch.randint(
+                0, len(ids), (k,), generator=self._generator, device=self.storing_device
+            )
+        else:
+            picks = torch.randperm(len(ids), generator=self._generator, device=self.storing_device)[
+                :k
+            ]
+        self._core.flush()
+        return [
+            episode_record(self._core, self._core.episodes[ids[i]], self.device)
+            for i in picks.tolist()
+        ]
+
+    # ----------------------------------------------------------------- introspection
+    def stats(self) -> dict[str, Any]:
+        """Counts of episodes, steps, agents and bytes."""
+        self._check_open()
+        core = self._core
+        statuses = [e.status for e in core.episodes.values()]
+        agents: dict[str, int] = {}
+        for e in core.episodes.values():
+            agents[e.agent_id] = agents.get(e.agent_id, 0) + 1
+        return {
+            "episodes": len(core.episodes),
+            "in_progress": statuses.count("in_progress"),
+            "terminated": statuses.count("terminated"),
+            "truncated": statuses.count("truncated"),
+            "steps": core.steps,
+            "valid_steps": core.valid_steps,
+            "agents": agents,
+            "evicted_episodes": core.evicted,
+            "max_steps": self.max_steps,
+            "max_episodes": self.max_episodes,
+            "rows": core.slots.capacity,
+            "storage": core.slots.kind,
+            "device": str(self.device),
+            "storing_device": str(self.storing_device),
+            "bytes": core.slots.stored_bytes() + core.links.nbytes + 2 * core.anchors.rows.nbytes,
+        }
+
+    def clear(self) -> None:
+        """Drop every episode; ids keep counting, so an old id is never reused."""
+        self._check_open()
+        self._core.clear()
+
+    def close(self) -> None:
+        """Release storage and remove memmap files. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._core.slots.close()
+
+    def __enter__(self) -> SyncEpisodeReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- metadata
+    def save(self, path: str | os.PathLike) -> None:
+        """Write metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
+        self._check_open()
+        core = self._core
+        metadata.write_metadata(
+            path,
+            KIND,
+            {
+                "max_steps": self.max_steps,
+                "max_episodes": self.max_episodes,
+                "rows": core.slots.capacity,
+                "storage": core.slots.kind,
+                "device": str(self.device),
+                "storing_device": str(self.storing_device),
+                "spec": None if self.spec is None else self.spec.to_json(),
+                "episodes": len(core.episodes),
+                "steps": core.steps,
+                "valid_steps": core.valid_steps,
+                "next_episode_id": core.next_id,
+                "evicted_episodes": core.evicted,
+            },
+        )
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read and check metadata; an empty buffer adopts its field spec. Returns it.
+
+        As for :meth:`ReplayBuffer.load`, counters describe rows the file does not hold, so they
+        are reported, not adopted. A mismatching ``max_steps`` or spec raises MetadataError.
+        """
+        self._check_open()
+        document = metadata.read_metadata(path, KIND)
+        max_steps = metadata.require_int(document, "max_steps", 1)
+        for name in ("episodes", "steps", "valid_steps", "next_episode_id", "evicted_episodes"):
+            metadata.require_int(document, name, 0)
+        try:
+            spec = None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
+        if max_steps != self.max_steps:
+            raise MetadataError(
+                f"max_steps: metadata has {max_steps}, this buffer {self.max_steps}"
+            )
+        if spec is not None and self.spec is not None and spec != self.spec:
+            raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
+        if spec is not None and self.spec is None:
+            self._core.slots.prepare(spec)
+        return document

@@ -1,0 +1,337 @@
+"""The synchronous episode core: lifecycle, row allocation, eviction and staging.
+
+The episode contract, stated once:
+
+* ``start_episode`` returns a new id (unique for the buffer's life).
+* ``append_observation_action_reward(id, obs_t, action_t, reward_t)`` records step t: the
+  observation the action was taken in, the action, and the reward received for it.
+* ``end_episode(id, status, final_observation=obs_T)`` records how the episode ended:
+  ``terminated`` (no bootstrap past obs_T) or ``truncated`` (a time limit: bootstrap from obs_T).
+
+Each observation is stored once, as one row; step t's ``next_observation`` is the row linked
+after it (see :mod:`replaybuf.index`). Steps are staged in memory and written to TorchRL storage
+in chunks (TorchRL's per-call write costs tens of microseconds); every read flushes first, so
+reads always see every completed append.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from replaybuf.anchors import AnchorSet
+from replaybuf.errors import EpisodeStateError, SchemaError
+from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
+from replaybuf.schema import FieldSpec, to_tensordict
+from replaybuf.storage import SlotStorage
+
+STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
+# Keys sampling returns; an extras field must not shadow one of them.
+RETURNED_KEYS = frozenset(
+    {
+        "observation",
+        "action",
+        "reward",
+        "next_observation",
+        "terminal",
+        "truncated",
+        "next_discount",
+        "actual_n",
+        "start_step",
+        "episode_id",
+        "cut",
+        "step",
+        "mask",
+        "index",
+        "weight",
+    }
+)
+_FLUSH_ROWS = 512  # staged rows written in one storage call
+
+
+@dataclass
+class Episode:
+    """One episode's bookkeeping on the host."""
+
+    episode_id: int
+    agent_id: str
+    seq: int  # start order
+    rows: list[int] = field(default_factory=list)  # rows of obs_0 .. obs_{steps-1}
+    final_row: int | None = None
+    end_kind: int = END_NONE  # END_NONE while in progress
+    final_observation: TensorDict | None = None  # only for episodes ended with zero steps
+
+    @property
+    def steps(self) -> int:
+        return len(self.rows)
+
+    @property
+    def in_progress(self) -> bool:
+        return self.end_kind == END_NONE
+
+    @property
+    def valid_steps(self) -> int:
+        """Steps whose next observation exists (sampling anchors)."""
+        return self.steps if not self.in_progress else max(self.steps - 1, 0)
+
+    @property
+    def status(self) -> str:
+        return {END_NONE: "in_progress", END_TERMINATED: "terminated"}.get(
+            self.end_kind, "truncated"
+        )
+
+
+class RowLinks:
+    """Per-row bookkeeping on the storing device: links, owners, steps and end kinds."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.next_row = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.episode = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.step = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.end_kind = torch.zeros(capacity, dtype=torch.int8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+class EpisodeCore:
+    """Episodes in TorchRL storage: the state every public episode method works on."""
+
+    def __init__(self, slots: SlotStorage, max_steps: int, max_episodes: int | None) -> None:
+        self.slots = slots
+        self.max_steps = max_steps
+        self.max_episodes = max_episodes
+        capacity = slots.capacity
+        device = slots.storing_device
+        self.links = RowLinks(capacity, device)
+        self.anchors = AnchorSet(capacity, device)
+        self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() yields row 0 first
+        self.episodes: dict[int, Episode] = {}  # insertion order = start order
+        self.finished: list[tuple[int, int]] = []  # heap of (seq, episode_id)
+        self.next_id = 0
+        self.next_seq = 0
+        self.steps = 0
+        self.valid_steps = 0
+        self.evicted = 0
+        self._staged_rows: list[list[int]] = []
+        self._staged_data: list[TensorDictBase] = []
+        self._staged_meta: list[tuple[int, int, int, int]] = []  # row, episode, step, end_kind
+        self._staged_links: list[tuple[int, int]] = []  # row -> next row
+        self._filler: TensorDict | None = None
+
+    # ----------------------------------------------------------------- lookup
+    def live(self, episode_id: Any, action: str) -> Episode:
+        """The stored episode ``episode_id``, or :class:`EpisodeStateError` naming why not."""
+        if isinstance(episode_id, bool) or not isinstance(episode_id, int):
+            raise EpisodeStateError(f"episode_id must be an int, got {episode_id!r}")
+        episode = self.episodes.get(episode_id)
+        if episode is not None:
+            return episode
+        if 0 <= episode_id < self.next_id:
+            raise EpisodeStateError(
+                f"cannot {action} episode {episode_id}: it was evicted or cleared"
+            )
+        raise EpisodeStateError(f"cannot {action} episode {episode_id}: unknown episode id")
+
+    def in_progress(self, episode_id: Any, action: str) -> Episode:
+        episode = self.live(episode_id, action)
+        if not episode.in_progress:
+            raise EpisodeStateError(
+                f"cannot {action} episode {episode_id}: it has ended ({episode.status})"
+            )
+        return episode
+
+    # ----------------------------------------------------------------- input checks
+    def step_row(
+        self, observation: Any, action: Any, reward: Any, extras: Any, batched: bool, what: str
+    ) -> TensorDict:
+        """The checked storage row(s) for appended steps; fixes the spec on the first step."""
+        data: dict[str, Any] = {"observation": observation, "action": action, "reward": reward}
+        if extras is not None:
+            if not isinstance(extras, dict):
+                raise TypeError(f"{what}: extras must be a dict, got {type(extras).__name__}")
+            clash = sorted(set(extras) & RETURNED_KEYS)
+            if clash:
+                raise SchemaError(
+                    f"{what}: extras names {clash} collide with keys sampling returns"
+                )
+            data["extras"] = extras
+        row = to_tensordict(data, batched=batched, what=what, spec=self.slots.spec)
+        if self.slots.spec is None:
+            self.slots.prepare(FieldSpec.of(row, 1 if batched else 0))
+        else:
+            self.slots.spec.check(row, 1 if batched else 0, what)
+        return row
+
+    def final_row_data(self, final_observation: Any, what: str) -> TensorDict:
+        """A final-observation row: the observation, with action/reward/extras zero-filled."""
+        obs = to_tensordict(
+            {"observation": final_observation}, batched=False, what=what, spec=self.slots.spec
+        )
+        spec = self.slots.spec
+        if spec is None:
+            return obs
+        obs_spec = FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"})
+        obs_spec.check(obs, 0, what)
+        if self._filler is None:
+            self._filler = spec.zeros(1, self.slots.storing_device)[0]
+        row = self._filler.clone()
+        row.update(obs)
+        return row
+
+    # ----------------------------------------------------------------- eviction
+    def make_room(self, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
+        """Evict whole episodes so that ``steps`` steps, ``rows`` rows and ``episodes`` fit.
+
+        Oldest finished episodes go first (by start order), then oldest in progress; episodes
+        in ``protected`` (those being written) never go. Nothing changes if it cannot be done.
+        """
+        over_steps = self.steps + steps - self.max_steps
+        over_rows = rows - len(self.free)
+        over_eps = len(self.episodes) + episodes - self.max_episodes if self.max_episodes else 0
+        if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
+            return
+        victims: list[Episode] = []
+        candidates = self._eviction_order(protected)
+        try:
+            for episode in candidates:
+                victims.append(episode)
+                over_steps -= episode.steps
+                over_rows -= episode.steps + (episode.final_row is not None)
+                over_eps -= 1
+                if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
+                    break
+            else:
+                raise ValueError(
+                    f"cannot make room for {steps} step(s) and {episodes} episode(s): "
+                    f"max_steps={self.max_steps}, max_episodes={self.max_episodes}, and "
+                    f"episode(s) {sorted(protected)} being written cannot be evicted"
+                )
+        finally:
+            candidates.close()
+        self.flush()
+        for episode in victims:
+            self._evict(episode)
+
+    def _eviction_order(self, protected: set[int]) -> Iterator[Episode]:
+        """Candidates in eviction order, popping the finished heap lazily (O(k log E) for k).
+
+        Popped entries go back on the heap when the caller stops; entries of episodes that are
+        gone by then are dropped on a later pass (lazy deletion).
+        """
+        popped: list[tuple[int, int]] = []
+        try:
+            while self.finished:
+                item = heapq.heappop(self.finished)
+                episode = self.episodes.get(item[1])
+                if episode is None:
+                    continue  # stale: evicted or cleared since it finished
+                popped.append(item)
+                if item[1] not in protected:
+                    yield episode
+            for episode in list(self.episodes.values()):
+                if episode.in_progress and episode.episode_id not in protected:
+                    yield episode
+        finally:
+            for item in popped:
+                heapq.heappush(self.finished, item)
+
+    def _evict(self, episode: Episode) -> None:
+        self.remove_episode(episode)
+        self.evicted += 1
+
+    def remove_episode(self, episode: Episode) -> None:
+        """Drop an episode and free its rows (staged writes must be flushed already)."""
+        rows = episode.rows + ([episode.final_row] if episode.final_row is not None else [])
+        if rows:
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.slots.storing_device)
+            self.anchors.remove(rows_t[self.anchors.contains(rows_t)])
+            self.links.next_row[rows_t] = -1
+            self.links.episode[rows_t] = -1
+            self.links.end_kind[rows_t] = END_NONE
+            self.free.extend(reversed(rows))
+        self.steps -= episode.steps
+        self.valid_steps -= episode.valid_steps
+        del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
+
+    # ----------------------------------------------------------------- writes
+    def start(self, agent_id: str) -> int:
+        self.make_room(0, 0, 1, set())
+        episode_id = self.next_id
+        self.episodes[episode_id] = Episode(episode_id, agent_id, self.next_seq)
+        self.next_id += 1
+        self.next_seq += 1
+        return episode_id
+
+    def append(self, episodes: list[Episode], rows: TensorDict) -> None:
+        """Stage one step for each episode (``rows`` has one row per episode)."""
+        protected = {e.episode_id for e in episodes}
+        self.make_room(len(episodes), len(episodes), 0, protected)
+        new_rows = [self.free.pop() for _ in episodes]
+        for episode, row in zip(episodes, new_rows, strict=True):
+            self._staged_meta.append((row, episode.episode_id, episode.steps, END_NONE))
+            if episode.rows:
+                self._link(episode.rows[-1], row)
+            episode.rows.append(row)
+        self.steps += len(episodes)
+        self._stage(new_rows, rows)
+
+    def end(self, episode: Episode, end_kind: int, final: TensorDict) -> None:
+        """Record the end of an episode with its final observation row."""
+        if episode.rows:
+            self.make_room(0, 1, 0, {episode.episode_id})
+            row = self.free.pop()
+            self._staged_meta.append((row, episode.episode_id, episode.steps, end_kind))
+            self._link(episode.rows[-1], row)
+            episode.final_row = row
+            self._stage([row], final.unsqueeze(0))
+        else:
+            episode.final_observation = final
+        episode.end_kind = end_kind
+        heapq.heappush(self.finished, (episode.seq, episode.episode_id))
+
+    def _link(self, row: int, next_row: int) -> None:
+        self._staged_links.append((row, next_row))
+        self.valid_steps += 1
+
+    def _stage(self, rows: list[int], data: TensorDictBase) -> None:
+        # Clone: callers (vectorized envs) often reuse their arrays for the next step.
+        self._staged_rows.append(rows)
+        self._staged_data.append(data.clone())
+        if sum(len(r) for r in self._staged_rows) >= _FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write staged rows to storage and apply staged bookkeeping on the storing device."""
+        if not self._staged_meta and not self._staged_rows:
+            return
+        device = self.slots.storing_device
+        if self._staged_rows:
+            rows = torch.tensor(
+                [r for chunk in self._staged_rows for r in chunk], dtype=torch.long, device=device
+            )
+            self.slots.write(rows, torch.cat(self._staged_data, 0))
+        if self._staged_meta:
+            meta = torch.tensor(self._staged_meta, dtype=torch.long, device=device)
+            self.links.next_row[meta[:, 0]] = -1
+            self.links.episode[meta[:, 0]] = meta[:, 1]
+            self.links.step[meta[:, 0]] = meta[:, 2]
+            self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
+        if self._staged_links:
+            links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
+            self.links.next_row[links[:, 0]] = links[:, 1]
+            self.anchors.add(links[:, 0])
+        self._staged_rows, self._staged_data = [], []
+        self._staged_meta, self._staged_links = [], []
+
+    def clear(self) -> None:
+        """Drop every episode (ids keep counting up, so old ids stay invalid)."""
+        self.flush()
+        for episode in list(self.episodes.values()):
+            self.remove_episode(episode)

@@ -1,0 +1,113 @@
+"""Pure index math over linked episode rows: n-step windows and sequences. Imports torch only.
+
+Every stored row holds one observation of one episode. Row ``r`` of step t links to the row of
+step t+1 of the same episode through ``next_row[r]`` (-1 while that observation does not exist
+yet), so episodes may interleave freely in storage. An episode of T steps occupies T+1 rows, the
+last one its final observation, which is never a sampling anchor::
+
+    rows:      obs_0 ──▶ obs_1 ──▶ ... ──▶ obs_{T-1} ──▶ obs_T (final, end_kind 1 or 2)
+    anchors:   yes       yes               yes            no
+    in progress (no final yet):  obs_0 ──▶ ... ──▶ obs_k   (obs_k is not an anchor: no next)
+
+A row is an *anchor* (a valid step) when it has an action and its next observation exists.
+An n-step window from anchor t takes m = min(n, steps available) steps: it stops at the final
+observation (``terminal`` / ``truncated``), or early at an in-progress episode's newest
+observation (``cut``). A window never crosses an episode boundary because links never do.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+END_NONE = 0  # not a final observation
+END_TERMINATED = 1  # final observation of a terminated episode: no bootstrap
+END_TRUNCATED = 2  # final observation of a truncated episode: bootstrap from it
+
+
+class Windows(NamedTuple):
+    """n-step windows for a batch of anchors; shapes in comments."""
+
+    rows: torch.Tensor  # [B, n_max] row of step t+k (the start row where k >= m)
+    valid: torch.Tensor  # [B, n_max] bool, k < m
+    m: torch.Tensor  # [B] steps in the window (actual_n)
+    last_row: torch.Tensor  # [B] row of obs_{t+m}
+    terminal: torch.Tensor  # [B] obs_{t+m} is a terminated episode's final observation
+    truncated: torch.Tensor  # [B] obs_{t+m} is a truncated episode's final observation
+    cut: torch.Tensor  # [B] m < n because the episode has no newer observation yet
+
+
+def nstep_windows(
+    start: torch.Tensor,
+    n: torch.Tensor | int,
+    n_max: int,
+    next_row: torch.Tensor,
+    anchor_pos: torch.Tensor,
+    end_kind: torch.Tensor,
+) -> Windows:
+    """Follow links from each anchor in ``start`` for up to ``n`` steps (per sample if a tensor).
+
+    ``next_row`` / ``anchor_pos`` / ``end_kind`` are per-row ``[R]`` tensors on one device (a row
+    is an anchor where ``anchor_pos >= 0``); the cost is O(B · n_max) gathers, independent of how
+    many rows or episodes are stored.
+    """
+    batch = start.shape[0]
+    n = torch.as_tensor(n, device=start.device).expand(batch)
+    rows = torch.empty((batch, n_max), dtype=torch.long, device=start.device)
+    valid = torch.empty((batch, n_max), dtype=torch.bool, device=start.device)
+    cur = start  # row of obs_{t+k} while the window is still growing
+    active = torch.ones(batch, dtype=torch.bool, device=start.device)
+    for k in range(n_max):
+        # Step t+k belongs to the window when t+k-1 did, k < n, and obs_{t+k} has a successor.
+        active = active & (k < n)
+        if k > 0:
+            active = active & (anchor_pos[cur] >= 0)
+        rows[:, k] = torch.where(active, cur, start)
+        valid[:, k] = active
+        cur = torch.where(active, next_row[cur], cur)
+    m = valid.sum(1)
+    kind = end_kind[cur]
+    return Windows(
+        rows=rows,
+        valid=valid,
+        m=m,
+        last_row=cur,
+        terminal=kind == END_TERMINATED,
+        truncated=kind == END_TRUNCATED,
+        cut=(m < n) & (kind == END_NONE),
+    )
+
+
+def sequence_rows(
+    start: torch.Tensor,
+    length: int,
+    next_row: torch.Tensor,
+    anchor_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``length`` consecutive steps from each anchor, and of their observations.
+
+    Returns ``obs_rows [B, length + 1]`` (obs_t .. obs_{t+length}; positions past the window
+    repeat the last real row) and ``mask [B, length]`` (True for steps inside the episode).
+    """
+    batch = start.shape[0]
+    obs_rows = torch.empty((batch, length + 1), dtype=torch.long, device=start.device)
+    mask = torch.empty((batch, length), dtype=torch.bool, device=start.device)
+    cur = start
+    active = torch.ones(batch, dtype=torch.bool, device=start.device)
+    for k in range(length):
+        obs_rows[:, k] = cur
+        if k > 0:
+            active = active & (anchor_pos[cur] >= 0)
+        mask[:, k] = active
+        cur = torch.where(active, next_row[cur], cur)
+    obs_rows[:, length] = cur
+    return obs_rows, mask
+
+
+def full_sequence_starts(
+    anchors: torch.Tensor, length: int, next_row: torch.Tensor, anchor_pos: torch.Tensor
+) -> torch.Tensor:
+    """The anchors from which ``length`` consecutive steps all exist (bool ``[len(anchors)]``)."""
+    _, mask = sequence_rows(anchors, length, next_row, anchor_pos)
+    return mask.all(1)

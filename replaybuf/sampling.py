@@ -1,0 +1,200 @@
+"""Build sampled batches from linked episode rows: n-step transitions, sequences, episodes.
+
+The index math lives in :mod:`replaybuf.index`; this module turns its rows into TensorDicts:
+observations at the window's two ends in one gather, actions and extras at the start, rewards
+summed over the window. Everything is computed on the storing device and delivered on
+``device``.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from replaybuf.episodes import Episode, EpisodeCore
+from replaybuf.errors import EmptyBufferError
+from replaybuf.index import (
+    END_TERMINATED,
+    END_TRUNCATED,
+    nstep_windows,
+    sequence_rows,
+)
+from replaybuf.index import full_sequence_starts as qualifies
+from replaybuf.nstep import bootstrap_discount, window_return
+from replaybuf.schema import Key
+
+NArg = int | tuple[int, int]
+
+
+def _keys(core: EpisodeCore, *groups: str) -> list[Key]:
+    assert core.slots.spec is not None  # internal: only called once steps exist
+    return [k for k in core.slots.spec if k[0] in groups]
+
+
+def _put_extras(out: TensorDict, rows: TensorDictBase) -> None:
+    """Extras are stored under ``extras`` and returned as top-level keys."""
+    extras = rows.get("extras", None)
+    if extras is not None:
+        for name in extras:
+            out.set(name, extras.get(name))
+
+
+def nstep_batch(
+    core: EpisodeCore,
+    start: torch.Tensor,
+    n: NArg,
+    gamma: float,
+    device: torch.device,
+    generator: torch.Generator,
+) -> TensorDict:
+    """n-step transitions from anchor rows ``start`` (see :mod:`replaybuf.nstep` for the math)."""
+    links = core.links
+    batch = start.shape[0]
+    if isinstance(n, tuple):
+        low, high = n
+        n_each = torch.randint(
+            low, high + 1, (batch,), generator=generator, device=start.device
+        )  # [B], RLlib's random n-step
+        n_max = high
+    else:
+        n_each, n_max = torch.tensor(n, device=start.device), n
+    w = nstep_windows(start, n_each, n_max, links.next_row, core.anchors.pos, links.end_kind)
+    obs = core.slots.gather(torch.cat([start, w.last_row]), device, _keys(core, "observation"))
+    rest = core.slots.gather(start, device, _keys(core, "action", "extras"))
+    reward_column = core.slots.column(("reward",))
+    rewards = reward_column.index_select(0, w.rows.reshape(-1))
+    rewards = rewards.reshape(batch, n_max, *reward_column.shape[1:])  # [B, n, *reward]
+    observation = obs.get("observation")
+    out = TensorDict(
+        {
+            "observation": observation[:batch],
+            "action": rest.get("action"),
+            "reward": window_return(rewards, w.valid, gamma).to(device),
+            "next_observation": observation[batch:],
+            "terminal": w.terminal.to(device),
+            "truncated": w.truncated.to(device),
+            "cut": w.cut.to(device),
+            "next_discount": bootstrap_discount(w.m, w.terminal, gamma).to(device),
+            "actual_n": w.m.to(device),
+            "start_step": links.step[start].to(device),
+            "episode_id": links.episode[start].to(device),
+        },
+        batch_size=[batch],
+        device=device,
+    )
+    _put_extras(out, rest)
+    return out
+
+
+def sequence_batch(
+    core: EpisodeCore, start: torch.Tensor, length: int, device: torch.device
+) -> TensorDict:
+    """``[B, length]`` consecutive steps from each anchor; ``mask`` marks real steps.
+
+    Positions past an episode's end are zero-filled (``mask`` False there).
+    """
+    links = core.links
+    batch = start.shape[0]
+    obs_rows, mask = sequence_rows(start, length, links.next_row, core.anchors.pos)
+    step_rows = obs_rows[:, :length]
+    obs = core.slots.gather(obs_rows.reshape(-1), device, _keys(core, "observation"))
+    obs = obs.reshape(batch, length + 1)
+    rest = core.slots.gather(
+        step_rows.reshape(-1), device, _keys(core, "action", "reward", "extras")
+    )
+    rest = rest.reshape(batch, length)
+    next_kind = links.end_kind[obs_rows[:, 1:]]  # [B, L]
+    observation = obs.get("observation")
+    out = TensorDict(
+        {
+            "observation": observation[:, :length],
+            "action": rest.get("action"),
+            "reward": rest.get("reward"),
+            "next_observation": observation[:, 1:],
+            "terminal": (next_kind == END_TERMINATED).to(device),
+            "truncated": (next_kind == END_TRUNCATED).to(device),
+            "step": links.step[step_rows].to(device),
+            "episode_id": links.episode[start].unsqueeze(1).expand(batch, length).to(device),
+        },
+        batch_size=[batch, length],
+        device=device,
+    )
+    _put_extras(out, rest)
+    mask = mask.to(device)
+
+    def zero_padding(value: torch.Tensor) -> torch.Tensor:
+        keep = mask.reshape(*mask.shape, *([1] * (value.dim() - 2)))
+        return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=device))
+
+    out = out.apply(zero_padding)
+    out.set("mask", mask)
+    return out
+
+
+def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:
+    """A whole stored episode, time-major, in a TensorDict with empty batch size.
+
+    ``observation`` holds obs_0 .. obs_T (T+1 rows, the final observation last) for an ended
+    episode and obs_0 .. obs_{T-1} for one in progress; ``action``, ``reward`` and extras hold
+    T rows.
+    """
+    steps = episode.rows
+    obs_rows = steps + ([episode.final_row] if episode.final_row is not None else [])
+    spec = core.slots.spec
+    out = TensorDict({}, batch_size=[], device=device)
+    if spec is not None and obs_rows:
+        rows = torch.tensor(obs_rows, dtype=torch.long, device=core.slots.storing_device)
+        out.set(
+            "observation",
+            core.slots.gather(rows, device, _keys(core, "observation")).get("observation"),
+        )
+        step_td = core.slots.gather(
+            rows[: len(steps)], device, _keys(core, "action", "reward", "extras")
+        )
+    elif spec is not None:
+        step_td = spec.zeros(0, device).exclude("observation")
+    else:
+        step_td = TensorDict({}, batch_size=[0], device=device)
+    if episode.final_observation is not None:
+        out.set("observation", episode.final_observation.get("observation").unsqueeze(0).to(device))
+    for name in ("action", "reward"):
+        if name in step_td:
+            out.set(name, step_td.get(name))
+    _put_extras(out, step_td)
+    out.set("episode_id", torch.tensor(episode.episode_id, device=device))
+    out.set("terminated", torch.tensor(episode.end_kind == END_TERMINATED, device=device))
+    out.set("truncated", torch.tensor(episode.end_kind == END_TRUNCATED, device=device))
+    out.set("length", torch.tensor(episode.steps, device=device))
+    return out
+
+
+def sample_sequence_starts(
+    core: EpisodeCore, batch_size: int, length: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``batch_size`` anchors, uniform over those with ``length`` steps ahead in their episode.
+
+    Rejection sampling from uniform anchors is exact and O(B · length) when most anchors
+    qualify; when few do, an exact scan over all anchors takes over.
+    """
+    links, anchors = core.links, core.anchors
+    found: list[torch.Tensor] = []
+    need = batch_size
+    for _ in range(4):
+        candidates = anchors.sample(max(2 * need, 64), generator)
+        ok = candidates[qualifies(candidates, length, links.next_row, anchors.pos)]
+        found.append(ok[:need])
+        need -= int(found[-1].shape[0])
+        if need <= 0:
+            return torch.cat(found)
+    every = anchors.snapshot()
+    eligible = every[qualifies(every, length, links.next_row, anchors.pos)]
+    if eligible.shape[0] == 0:
+        raise EmptyBufferError(
+            f"cannot sample sequences: no stored episode has {length} consecutive steps "
+            "(use strict=False to pad shorter ones)"
+        )
+    picks = torch.randint(
+        0, eligible.shape[0], (need,), generator=generator, device=eligible.device
+    )
+    found.append(eligible[picks])
+    return torch.cat(found)
