@@ -100,6 +100,7 @@ class SyncEpisodeReplayBuffer:
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
         kind = resolve_kind(storage, self.storing_device)
+        seed = None if seed is None else int_at_least(seed, "seed", 0)
         rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
         slots = SlotStorage(
             rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
@@ -109,7 +110,7 @@ class SyncEpisodeReplayBuffer:
         if seed is None:
             self._generator.seed()
         else:
-            self._generator.manual_seed(int_at_least(seed, "seed", 0))
+            self._generator.manual_seed(seed)
         self._closed = False
 
     # ----------------------------------------------------------------- properties
