@@ -19,15 +19,23 @@ import torch
 def compute_discounted_return(
     rewards: Sequence[float] | torch.Tensor, gamma: float
 ) -> float | torch.Tensor:
-    """``Σ_k γ^k r_k``: a float for a list, a tensor reduced over the last dim for a tensor."""
+    """``Σ_k γ^k r_k``: a float for a list, a tensor reduced over the last dim for a tensor.
+
+    A floating tensor keeps its dtype; integer or bool rewards give the default float dtype.
+    """
     if isinstance(rewards, torch.Tensor):
         steps = rewards.shape[-1]
         powers = gamma ** torch.arange(steps, dtype=torch.float64, device=rewards.device)
-        return (rewards.to(torch.float64) * powers).sum(-1).to(rewards.dtype)
+        return (rewards.to(torch.float64) * powers).sum(-1).to(return_dtype(rewards.dtype))
     total = 0.0
     for reward in reversed(list(rewards)):
         total = float(reward) + gamma * total
     return total
+
+
+def return_dtype(reward_dtype: torch.dtype) -> torch.dtype:
+    """A discounted sum keeps a floating reward dtype; integer or bool rewards give floats."""
+    return reward_dtype if reward_dtype.is_floating_point else torch.get_default_dtype()
 
 
 def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -39,7 +47,8 @@ def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> t
         gamma: the discount.
 
     Returns:
-        ``[B, *reward_shape]`` in the rewards' dtype, accumulated in float64.
+        ``[B, *reward_shape]`` in the rewards' floating dtype (see :func:`return_dtype`),
+        accumulated in float64.
     """
     n = rewards.shape[1]
     powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)  # [n]
@@ -47,7 +56,7 @@ def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> t
     weights = weights.reshape(*weights.shape, *([1] * (rewards.dim() - 2)))
     # Masked rows may hold anything (even NaN from unused storage): select, never multiply.
     terms = torch.where(weights != 0, rewards.to(torch.float64) * weights, 0.0)
-    return terms.sum(1).to(rewards.dtype)
+    return terms.sum(1).to(return_dtype(rewards.dtype))
 
 
 def bootstrap_discount(m: torch.Tensor, terminal: torch.Tensor, gamma: float) -> torch.Tensor:
