@@ -1,0 +1,65 @@
+"""AnchorSet: the packed set of sampling anchors stays consistent under adds and removes."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaybuf.anchors import AnchorSet
+
+CAPACITY = 16
+
+
+def assert_consistent(anchors: AnchorSet, model: set[int]) -> None:
+    count = len(anchors)
+    assert count == len(model)
+    packed = anchors.rows[:count].tolist()
+    assert sorted(packed) == sorted(model)  # rows[:count] holds exactly the set, once each
+    assert anchors.rows[count:].tolist() == [-1] * (CAPACITY - count)
+    for place, row in enumerate(packed):
+        assert int(anchors.pos[row]) == place
+    for row in range(CAPACITY):
+        assert bool(anchors.contains(torch.tensor([row]))[0]) == (row in model)
+        if row not in model:
+            assert int(anchors.pos[row]) == -1
+    assert sorted(anchors.snapshot().tolist()) == sorted(model)
+
+
+def test_remove_fills_holes_from_the_tail():
+    anchors = AnchorSet(CAPACITY, torch.device("cpu"))
+    anchors.add(torch.tensor([5, 6, 7, 8]))
+    anchors.remove(torch.tensor([5, 8]))
+    assert_consistent(anchors, {6, 7})
+    anchors.remove(torch.tensor([6, 7]))
+    assert_consistent(anchors, set())
+
+
+ops = st.lists(
+    st.tuples(st.booleans(), st.sets(st.integers(0, CAPACITY - 1), max_size=6)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, seed=st.integers(0, 2**16))
+def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed):
+    anchors = AnchorSet(CAPACITY, torch.device("cpu"))
+    model: set[int] = set()
+    generator = torch.Generator().manual_seed(seed)
+    for is_add, rows in ops:
+        if is_add:
+            new = sorted(rows - model)
+            anchors.add(torch.tensor(new, dtype=torch.long))
+            model |= set(new)
+        else:
+            old = sorted(rows & model)
+            anchors.remove(torch.tensor(old, dtype=torch.long))
+            model -= set(old)
+        assert_consistent(anchors, model)
+        if model:
+            drawn = anchors.sample(8, generator).tolist()
+            assert set(drawn) <= model
+            distinct = anchors.sample_distinct(CAPACITY + 1, generator).tolist()
+            assert sorted(distinct) == sorted(model)

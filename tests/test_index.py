@@ -1,0 +1,247 @@
+"""Index math over linked rows: nstep_windows, sequence_rows, full_sequence_starts.
+
+Three layers: named table cases with hand-computed rows, a plain-loop oracle over episode lists,
+and hypothesis comparing the vectorized code to that oracle on random interleavings.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaybuf.index import (
+    END_NONE,
+    END_TERMINATED,
+    END_TRUNCATED,
+    full_sequence_starts,
+    nstep_windows,
+    sequence_rows,
+)
+
+
+def link(episodes: list[tuple[list[int], int]], rows: int):
+    """Per-row tensors for episodes given as (rows of obs_0.., end kind).
+
+    An ended episode's last row is its final observation; an in-progress episode's last row is
+    its newest observation. Anchors are every row with a successor.
+    """
+    next_row = torch.full((rows,), -1, dtype=torch.long)
+    anchor_pos = torch.full((rows,), -1, dtype=torch.long)
+    end_kind = torch.zeros(rows, dtype=torch.int8)
+    place = 0
+    for ep_rows, kind in episodes:
+        for a, b in itertools.pairwise(ep_rows):
+            next_row[a] = b
+            anchor_pos[a] = place
+            place += 1
+        if kind != END_NONE:
+            end_kind[ep_rows[-1]] = kind
+    return next_row, anchor_pos, end_kind
+
+
+def windows(episodes, rows, start, n, n_max=None):
+    next_row, anchor_pos, end_kind = link(episodes, rows)
+    start = torch.tensor(start, dtype=torch.long)
+    if n_max is None:
+        n_max = n if isinstance(n, int) else max(n)
+    if not isinstance(n, int):
+        n = torch.tensor(n)
+    return nstep_windows(start, n, n_max, next_row, anchor_pos, end_kind)
+
+
+# --------------------------------------------------------------------------- table cases
+def test_window_stops_at_terminated_final_observation():
+    # terminated, 3 steps, n = 5:
+    #   row:   0      1      2      3
+    #         obs_0 ▶ obs_1 ▶ obs_2 ▶ obs_3 (final, terminated)
+    #   from t=0: m = 3, next obs = row 3, terminal, not cut
+    w = windows([([0, 1, 2, 3], END_TERMINATED)], 4, [0], 5)
+    assert w.m.tolist() == [3]
+    assert w.valid.tolist() == [[True, True, True, False, False]]
+    assert w.rows.tolist() == [[0, 1, 2, 0, 0]]  # past m: the start row
+    assert w.last_row.tolist() == [3]
+    assert w.terminal.tolist() == [True]
+    assert w.truncated.tolist() == [False]
+    assert w.cut.tolist() == [False]
+
+
+def test_window_stops_at_truncated_final_observation():
+    w = windows([([0, 1, 2, 3], END_TRUNCATED)], 4, [1], 5)
+    assert w.m.tolist() == [2]
+    assert w.last_row.tolist() == [3]
+    assert (w.terminal.item(), w.truncated.item(), w.cut.item()) == (False, True, False)
+
+
+def test_window_of_in_progress_episode_is_cut_at_newest_observation():
+    # in progress, 4 steps appended (obs_3 has no successor yet, so step 3 is not valid):
+    #   row:   0      1      2      3
+    #         obs_0 ▶ obs_1 ▶ obs_2 ▶ obs_3 (newest)
+    #   from t=1, n=5: steps 1, 2 -> m = 2, next obs = row 3, cut, never terminal
+    w = windows([([0, 1, 2, 3], END_NONE)], 4, [1], 5)
+    assert w.m.tolist() == [2]
+    assert w.last_row.tolist() == [3]
+    assert (w.terminal.item(), w.truncated.item(), w.cut.item()) == (False, False, True)
+
+
+def test_full_window_inside_in_progress_episode_is_not_cut():
+    w = windows([([0, 1, 2, 3], END_NONE)], 4, [0], 2)
+    assert w.m.tolist() == [2]
+    assert w.last_row.tolist() == [2]
+    assert (w.terminal.item(), w.truncated.item(), w.cut.item()) == (False, False, False)
+
+
+def test_full_window_ending_exactly_on_terminated_final_is_terminal():
+    w = windows([([0, 1, 2, 3], END_TERMINATED)], 4, [1], 2)
+    assert w.m.tolist() == [2]
+    assert w.terminal.tolist() == [True]
+    assert w.cut.tolist() == [False]
+
+
+def test_window_follows_links_through_interleaved_rows_and_never_crosses_episodes():
+    # episode A rows 0, 2, 4 (4 = final, terminated); episode B rows 1, 3, 5 (in progress)
+    #   storage: A0 B0 A1 B1 A_final B2
+    episodes = [([0, 2, 4], END_TERMINATED), ([1, 3, 5], END_NONE)]
+    w = windows(episodes, 6, [0, 2, 1, 3], 3)
+    assert w.m.tolist() == [2, 1, 2, 1]
+    assert w.rows.tolist() == [[0, 2, 0], [2, 2, 2], [1, 3, 1], [3, 3, 3]]
+    assert w.last_row.tolist() == [4, 4, 5, 5]
+    assert w.terminal.tolist() == [True, True, False, False]
+    assert w.cut.tolist() == [False, False, True, True]
+
+
+def test_each_sample_uses_its_own_n():
+    w = windows([([0, 1, 2, 3, 4, 5], END_TRUNCATED)], 6, [0, 0, 0], [1, 2, 3])
+    assert w.m.tolist() == [1, 2, 3]
+    assert w.last_row.tolist() == [1, 2, 3]
+    assert w.valid.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert w.truncated.tolist() == [False, False, False]
+
+
+def test_sequence_rows_pad_past_episode_end_with_last_real_row():
+    # terminated, 2 steps: rows 7 -> 3 -> 5 (final); length 4 from t=0
+    next_row, anchor_pos, _ = link([([7, 3, 5], END_TERMINATED)], 8)
+    obs_rows, mask = sequence_rows(torch.tensor([7, 3]), 4, next_row, anchor_pos)
+    assert obs_rows.tolist() == [[7, 3, 5, 5, 5], [3, 5, 5, 5, 5]]
+    assert mask.tolist() == [[True, True, False, False], [True, False, False, False]]
+    full = full_sequence_starts(torch.tensor([7, 3]), 2, next_row, anchor_pos)
+    assert full.tolist() == [True, False]
+
+
+def test_sequence_of_in_progress_episode_stops_before_newest_observation():
+    next_row, anchor_pos, _ = link([([0, 1, 2], END_NONE)], 3)
+    obs_rows, mask = sequence_rows(torch.tensor([0]), 3, next_row, anchor_pos)
+    assert mask.tolist() == [[True, True, False]]
+    assert obs_rows.tolist() == [[0, 1, 2, 2]]
+
+
+# --------------------------------------------------------------------------- oracle
+def oracle_window(ep_rows: list[int], kind: int, t: int, n: int, n_max: int) -> dict:
+    """A window from step t, by walking the episode's row list."""
+    valid_steps = len(ep_rows) - 1  # every row with a successor
+    m = 0
+    while m < n and t + m < valid_steps:
+        m += 1
+    rows = [ep_rows[t + k] if k < m else ep_rows[t] for k in range(n_max)]
+    last = ep_rows[t + m]
+    at_end = t + m == len(ep_rows) - 1
+    return {
+        "rows": rows,
+        "valid": [k < m for k in range(n_max)],
+        "m": m,
+        "last_row": last,
+        "terminal": at_end and kind == END_TERMINATED,
+        "truncated": at_end and kind == END_TRUNCATED,
+        "cut": m < n and kind == END_NONE,
+    }
+
+
+def oracle_sequence(ep_rows: list[int], t: int, length: int) -> tuple[list[int], list[bool]]:
+    valid_steps = len(ep_rows) - 1
+    real = min(length, valid_steps - t)
+    obs_rows = [ep_rows[t + min(k, real)] for k in range(length + 1)]
+    return obs_rows, [k < real for k in range(length)]
+
+
+@st.composite
+def layouts(draw):
+    """1-4 episodes (observation counts 1-8, any end kind) interleaved in a random row order."""
+    sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=4))
+    kinds = draw(
+        st.lists(
+            st.sampled_from([END_NONE, END_TERMINATED, END_TRUNCATED]),
+            min_size=len(sizes),
+            max_size=len(sizes),
+        )
+    )
+    total = sum(sizes)
+    spare = draw(st.integers(0, 3))  # rows that belong to no episode
+    order = draw(st.permutations(list(range(total + spare))))
+    episodes, at = [], 0
+    for size, kind in zip(sizes, kinds, strict=True):
+        episodes.append((list(order[at : at + size]), kind))
+        at += size
+    return episodes, total + spare
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_nstep_windows_match_the_loop_oracle(layout, data):
+    episodes, rows = layout
+    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
+    if not starts:
+        return
+    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
+    n_max = data.draw(st.integers(1, 6))
+    per_sample = data.draw(st.booleans())
+    if per_sample:
+        ns = data.draw(st.lists(st.integers(1, n_max), min_size=len(picks), max_size=len(picks)))
+    else:
+        ns = [n_max] * len(picks)
+    start = [episodes[e][0][t] for e, t in picks]
+    w = windows(episodes, rows, start, ns if per_sample else n_max, n_max)
+    for i, (e, t) in enumerate(picks):
+        ep_rows, kind = episodes[e]
+        want = oracle_window(ep_rows, kind, t, ns[i], n_max)
+        got = {
+            "rows": w.rows[i].tolist(),
+            "valid": w.valid[i].tolist(),
+            "m": int(w.m[i]),
+            "last_row": int(w.last_row[i]),
+            "terminal": bool(w.terminal[i]),
+            "truncated": bool(w.truncated[i]),
+            "cut": bool(w.cut[i]),
+        }
+        assert got == want, (e, t, ns[i])
+        # never crosses an episode: every row used belongs to this episode
+        assert set(got["rows"]) | {got["last_row"]} <= set(ep_rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_sequence_rows_and_full_starts_match_the_loop_oracle(layout, data):
+    episodes, rows = layout
+    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
+    if not starts:
+        return
+    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
+    length = data.draw(st.integers(1, 8))
+    next_row, anchor_pos, _ = link(episodes, rows)
+    start = torch.tensor([episodes[e][0][t] for e, t in picks], dtype=torch.long)
+    obs_rows, mask = sequence_rows(start, length, next_row, anchor_pos)
+    full = full_sequence_starts(start, length, next_row, anchor_pos)
+    for i, (e, t) in enumerate(picks):
+        want_rows, want_mask = oracle_sequence(episodes[e][0], t, length)
+        assert obs_rows[i].tolist() == want_rows
+        assert mask[i].tolist() == want_mask
+        assert bool(full[i]) == all(want_mask)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_windows_accept_an_empty_batch(n):
+    w = windows([([0, 1], END_TERMINATED)], 2, [], n, 3)
+    assert w.rows.shape == (0, 3)
+    assert w.m.shape == (0,)
