@@ -26,6 +26,7 @@ from replaybuf.schema import FieldSpec, Key, to_tensordict
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
 
 logger = logging.getLogger("replaybuf")
+_NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
 
 
 class ReplayBuffer:
@@ -187,9 +188,9 @@ class ReplayBuffer:
         self._size = min(self._size + rows, capacity)
 
     # ----------------------------------------------------------------- reads
-    def _require(self, batch_size: int | None = None) -> None:
+    def _require(self, batch_size: Any = _NO_BATCH_SIZE) -> None:
         self._check_open()
-        if batch_size is not None:
+        if batch_size is not _NO_BATCH_SIZE:
             positive_int(batch_size, "batch_size")
         if self._size == 0:
             raise EmptyBufferError("cannot sample: the buffer is empty")

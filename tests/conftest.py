@@ -1,0 +1,67 @@
+"""Shared fixtures: buffers that are always closed, and a session-wide leftover-file check."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from replaybuf import ReplayBuffer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_scratch_folder_left_behind():
+    """Run the session with a private temp dir and fail if any ``replaybuf-*`` folder outlives it.
+
+    A private temp dir keeps the check exact: folders made by other processes sharing ``/tmp``
+    cannot trip it, and every buffer built with the default ``scratch_dir`` lands in it.
+    """
+    temp = Path(tempfile.mkdtemp(prefix="rbtests-"))
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(temp)
+    try:
+        yield temp
+        gc.collect()  # buffers a test forgot to close are cleaned up when collected
+        left = sorted(p.name for p in temp.glob("replaybuf-*"))
+        assert left == [], f"scratch folders left behind in {temp}: {left}"
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def make_buffer(tmp_path):
+    """A factory for CPU buffers with scratch files under ``tmp_path``; all closed at teardown."""
+    made: list[ReplayBuffer] = []
+
+    def make(
+        buffer_size: int = 8,
+        *,
+        storage: str = "memmap",
+        device: str = "cpu",
+        storing_device: str = "cpu",
+        seed: int | None = 0,
+    ) -> ReplayBuffer:
+        buf = ReplayBuffer(
+            device,
+            storing_device,
+            buffer_size,
+            storage=storage,
+            scratch_dir=tmp_path,
+            seed=seed,
+        )
+        made.append(buf)
+        return buf
+
+    yield make
+    for buf in made:
+        buf.close()
+
+
+@pytest.fixture(params=["memmap", "tensor"])
+def storage(request) -> str:
+    """Both CPU storage kinds: every test using it runs once per kind."""
+    return request.param
