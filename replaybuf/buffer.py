@@ -72,6 +72,7 @@ class ReplayBuffer:
         self._pointer = 0
         self._size = 0
         self._closed = False
+        self._resets = 0  # lets an epoch iterator notice that its planned slots were dropped
         self._iterator: Iterator[TensorDict] | None = None
 
     # ----------------------------------------------------------------- properties
@@ -143,6 +144,7 @@ class ReplayBuffer:
         self._pointer = 0
         self._size = 0
         self._iterator = None
+        self._resets += 1
         gc.collect()  # release the old storage's mapped files now, as ObjectRL does
         if self.print_gc_warning:
             logger.warning("ReplayBuffer.reset ran the garbage collector")
@@ -257,7 +259,8 @@ class ReplayBuffer:
         Each epoch is planned from the transitions stored when it starts (a fresh permutation,
         or oldest first with ``shuffle=False``); rows written meanwhile into a planned slot are
         served with their new contents. The iterator is also installed for
-        :meth:`get_next_batch`.
+        :meth:`get_next_batch`. After ``reset()`` it raises ``RuntimeError`` instead of serving
+        rows that are no longer stored.
         """
         self._require(batch_size)
         n_epochs = int_at_least(n_epochs, "n_epochs", 1)
@@ -267,10 +270,16 @@ class ReplayBuffer:
     def _epochs(
         self, batch_size: int, n_epochs: int, shuffle: bool, drop_last: bool
     ) -> Iterator[TensorDict]:
+        resets = self._resets
         for _ in range(n_epochs):
             order = epoch_order(self._oldest_first(), shuffle, self._generator)
             for slots in epoch_batches(order, batch_size, drop_last):
                 self._check_open()
+                if self._resets != resets:
+                    raise RuntimeError(
+                        "epoch iterator expected the rows it planned, got a buffer reset since; "
+                        "create a new iterator"
+                    )
                 yield self._slots.gather(slots, self.device)
 
     def get_next_batch(self, batch_size: int) -> TensorDict:
