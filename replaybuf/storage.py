@@ -219,10 +219,9 @@ class SlotStorage:
                 if exc.errno == errno.ENOSPC:
                     folder = self.scratch_path or Path(filename).parent
                     free = shutil.disk_usage(folder).free
-                    self.close()
-                    raise InsufficientSpaceError(
-                        f"disk at {folder}", self.planned_bytes, free
-                    ) from exc
+                    needed = self.planned_bytes
+                    self.reset()  # back to empty and usable, as before this first write
+                    raise InsufficientSpaceError(f"disk at {folder}", needed, free) from exc
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
             finally:

@@ -1,0 +1,207 @@
+"""Where rows live: private scratch folders, cleanup, space checks and signal hygiene."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from replay_helpers import ids_of, rows, unchanged
+
+import replaybuf.storage
+from replaybuf import InsufficientSpaceError, ReplayBuffer
+
+ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
+
+
+def _scratch_folders(parent: Path) -> list[Path]:
+    return sorted(parent.glob("replaybuf-*"))
+
+
+def test_memmap_files_live_in_a_private_folder_inside_scratch_dir(tmp_path):
+    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 3))
+        (folder,) = _scratch_folders(tmp_path)
+        assert list(tmp_path.iterdir()) == [folder]
+        assert buf.stats()["scratch_dir"] == str(folder)
+        files = {p.name for p in folder.rglob("*.memmap")}
+        assert {"obs.memmap", "action.memmap", "reward.memmap", "done.memmap"} <= files
+
+
+def test_close_removes_the_private_folder_and_keeps_the_users_folder(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    buf = ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path)
+    buf.add_batch(rows(0, 3))
+    assert len(_scratch_folders(tmp_path)) == 1
+    buf.close()
+    assert _scratch_folders(tmp_path) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+def test_context_manager_removes_the_private_folder(tmp_path):
+    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 3))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_context_manager_removes_the_private_folder_when_the_block_raises(tmp_path):
+    def fail_inside_the_block():
+        with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+            buf.add_batch(rows(0, 3))
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside_the_block()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_garbage_collection_removes_the_private_folder(tmp_path):
+    buf = ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path)
+    buf.add_batch(rows(0, 3))
+    del buf
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reset_replaces_the_private_folder(tmp_path):
+    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 3))
+        before = _scratch_folders(tmp_path)
+        buf.reset()
+        after = _scratch_folders(tmp_path)
+        assert len(before) == len(after) == 1
+        assert before != after
+
+
+def test_two_buffers_in_one_scratch_dir_do_not_share_files(tmp_path):
+    with (
+        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as a,
+        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as b,
+    ):
+        a.add_batch(rows(0, 2))
+        b.add_batch(rows(10, 2))
+        assert len(_scratch_folders(tmp_path)) == 2
+        assert ids_of(a.sample_all()) == [0, 1]
+        assert ids_of(b.sample_all()) == [10, 11]
+        a.close()
+        assert ids_of(b.sample_all()) == [10, 11]
+
+
+def test_default_scratch_folder_is_in_the_temp_dir_and_not_in_dev_shm():
+    with ReplayBuffer("cpu", "cpu", 4) as buf:
+        buf.add_batch(rows(0, 2))
+        folder = Path(buf.stats()["scratch_dir"]).resolve()
+    assert folder.parent == Path(tempfile.gettempdir()).resolve()
+    assert not folder.is_relative_to("/dev/shm")
+    assert not folder.exists()
+
+
+def test_tensor_storage_on_cpu_creates_no_files(tmp_path):
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 2))
+        assert buf.stats()["scratch_dir"] is None
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_buffers_do_not_replace_the_applications_signal_handlers(tmp_path, storage):
+    def handler(signum, frame):  # pragma: no cover - never delivered
+        pass
+
+    previous_term = signal.signal(signal.SIGTERM, handler)
+    try:
+        before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        with ReplayBuffer("cpu", "cpu", 8, storage=storage, scratch_dir=tmp_path) as buf:
+            buf.add_batch(rows(0, 10))
+            buf.sample_batch(4)
+            buf.reset(4)
+            buf.add_batch(rows(0, 2))
+            during = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        after = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+    assert during == before
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    ("storage_kind", "where"), [("memmap", r"disk at .*replaybuf-"), ("tensor", "host memory")]
+)
+def test_too_little_space_raises_before_allocating_and_changes_nothing(
+    tmp_path, monkeypatch, storage_kind, where
+):
+    monkeypatch.setattr(replaybuf.storage, "free_bytes", lambda kind, device, folder: 100)
+    with ReplayBuffer("cpu", "cpu", 4, storage=storage_kind, scratch_dir=tmp_path) as buf:
+        message = rf"not enough space on {where}.*needs {4 * ROW_BYTES:,} bytes, 100 are free"
+        with unchanged(buf), pytest.raises(InsufficientSpaceError, match=message) as info:
+            buf.add_batch(rows(0, 2))
+        assert (info.value.needed, info.value.free) == (4 * ROW_BYTES, 100)
+        assert buf.spec is None
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        monkeypatch.undo()
+        buf.add_batch(rows(0, 2))  # still usable once there is room
+        assert ids_of(buf.sample_all()) == [0, 1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_reservation_raises_and_leaves_the_buffer_empty_and_usable(
+    tmp_path, monkeypatch
+):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as buf:
+        with unchanged(buf), pytest.raises(InsufficientSpaceError, match=r"disk at .*needs 180"):
+            buf.add_batch(rows(0, 2))
+        assert (buf.spec, len(buf.memory)) == (None, 0)
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        monkeypatch.undo()
+        buf.add_batch(rows(0, 3))
+        assert ids_of(buf.sample_all()) == [0, 1, 2]
+
+
+def test_stats_bytes_cover_the_allocated_rows(tmp_path, storage):
+    with ReplayBuffer("cpu", "cpu", 100, storage=storage, scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 1))
+        assert buf.stats()["planned_bytes"] == 100 * ROW_BYTES
+        assert buf.stats()["bytes"] >= 100 * ROW_BYTES
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from replaybuf import ReplayBuffer
+    default = ReplayBuffer("cpu", "cpu", 16)
+    mine = ReplayBuffer("cpu", "cpu", 16, scratch_dir=sys.argv[1])
+    for buf in (default, mine):
+        buf.add_batch({"obs": torch.zeros(20, 3)})
+    print(json.dumps([default.stats()["scratch_dir"], mine.stats()["scratch_dir"]]))
+    """
+)
+
+
+def test_a_process_that_exits_normally_leaves_no_scratch_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "TEMP", "TMP")}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    default, mine = map(Path, json.loads(done.stdout.strip().splitlines()[-1]))
+    assert not default.is_relative_to("/dev/shm")
+    assert mine.parent == tmp_path
+    assert not default.exists()
+    assert not mine.exists()
+    assert tmp_path.is_dir()
+    assert list(tmp_path.iterdir()) == []
