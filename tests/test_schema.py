@@ -1,0 +1,231 @@
+"""Writes that differ from the stored field spec raise before touching storage.
+
+Every case runs against a buffer holding three rows and asserts that length, pointer, spec and
+contents are exactly as before the failed call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from replay_helpers import ids_of, rows, unchanged
+from tensordict import TensorDict
+
+from replaybuf import ReplayBuffer, SchemaError
+
+
+def _row() -> dict:
+    """One valid transition as a plain dict (write id 50)."""
+    return rows(50, 1)[0].to_dict()
+
+
+def _batch(n: int = 2) -> dict:
+    return rows(50, n).to_dict()
+
+
+def _with(base: dict, **changes) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture
+def filled(make_buffer, storage) -> ReplayBuffer:
+    buf = make_buffer(4, storage=storage)
+    buf.add_batch(rows(0, 3))
+    return buf
+
+
+ROW_CASES = {
+    "missing key": (_with(_row(), action=None), r"missing \['action'\]"),
+    "missing nested key": (
+        _with(_row(), next={"reward": torch.tensor(0.0)}),
+        r"missing \['next\.obs'\]; unexpected \['next\.reward'\]",
+    ),
+    "extra key": (_with(_row(), aux=torch.zeros(3)), r"unexpected \['aux'\]"),
+    "extra nested key": (
+        _with(_row(), next={"obs": torch.zeros(4), "done": torch.tensor(True)}),
+        r"unexpected \['next\.done'\]",
+    ),
+    "shape [1] for [4] is not broadcast": (
+        _with(_row(), obs=torch.zeros(1)),
+        r"field 'obs' expected shape \[4\], got \[1\]",
+    ),
+    "same numel, other shape": (
+        _with(_row(), obs=torch.zeros(2, 2)),
+        r"field 'obs' expected shape \[4\], got \[2, 2\]",
+    ),
+    "nested shape": (
+        _with(_row(), next={"obs": torch.zeros(5)}),
+        r"field 'next\.obs' expected shape \[4\], got \[5\]",
+    ),
+    "float64 for float32": (
+        _with(_row(), obs=torch.zeros(4, dtype=torch.float64)),
+        r"field 'obs' expected dtype torch\.float32, got torch\.float64",
+    ),
+    "numpy float64 for float32": (
+        _with(_row(), action=np.zeros(2)),
+        r"field 'action' expected dtype torch\.float32, got torch\.float64",
+    ),
+    "bfloat16 for float32": (
+        _with(_row(), reward=torch.tensor(1.0, dtype=torch.bfloat16)),
+        r"field 'reward' expected dtype torch\.float32, got torch\.bfloat16",
+    ),
+    "python float into bool": (
+        _with(_row(), done=0.5),
+        r"field 'done' expected dtype torch\.bool, got 0\.5",
+    ),
+    "python int that bool cannot hold": (
+        _with(_row(), done=2),
+        r"field 'done' expected dtype torch\.bool, got 2",
+    ),
+    "float tensor into bool": (
+        _with(_row(), done=torch.tensor(1.0)),
+        r"field 'done' expected dtype torch\.bool, got torch\.float32",
+    ),
+    "number for a vector field": (
+        _with(_row(), obs=1.0),
+        r"field 'obs' expected shape \[4\], got \[\]",
+    ),
+    "reserved name": (_with(_row(), index=torch.tensor(0)), r"'index' is reserved"),
+    "meta tensor": (_with(_row(), obs=torch.zeros(4, device="meta")), r"'obs' is a meta"),
+    "empty nested dict": (_with(_row(), next={}), r"'next' is an empty dict"),
+    "no fields": ({}, r"expected at least one field, got none"),
+}
+
+
+@pytest.mark.parametrize("bad", ROW_CASES.values(), ids=ROW_CASES.keys())
+def test_add_of_a_mismatching_transition_raises_and_changes_nothing(filled, bad):
+    data, message = bad
+    with unchanged(filled), pytest.raises(SchemaError, match=message):
+        filled.add(data)
+
+
+BATCH_CASES = {
+    "missing key": (_with(_batch(), reward=None), r"missing \['reward'\]"),
+    "missing nested key": (_with(_batch(), next=None), r"missing \['next\.obs'\]"),
+    "extra key": (_with(_batch(), aux=torch.zeros(2)), r"unexpected \['aux'\]"),
+    "shape [1] for [4] is not broadcast": (
+        _with(_batch(), obs=torch.zeros(2, 1)),
+        r"field 'obs' expected shape \[4\], got \[1\]",
+    ),
+    "float64 for float32": (
+        _with(_batch(), reward=np.zeros(2)),
+        r"field 'reward' expected dtype torch\.float32, got torch\.float64",
+    ),
+    "int64 for bool": (
+        _with(_batch(), done=torch.zeros(2, dtype=torch.int64)),
+        r"field 'done' expected dtype torch\.bool, got torch\.int64",
+    ),
+    "fields disagree on the batch dimension": (
+        _with(_batch(), reward=torch.zeros(3)),
+        r"fields disagree on the batch dimension: .*'obs': 2.*'reward': 3",
+    ),
+    "nested field disagrees on the batch dimension": (
+        _with(_batch(), next={"obs": torch.zeros(5, 4)}),
+        r"fields disagree on the batch dimension: .*'next\.obs': 5",
+    ),
+    "python number is not a batch": (
+        _with(_batch(), reward=1.0),
+        r"field 'reward' expected a batch of rows, got a scalar 1\.0",
+    ),
+    "0-d tensor is not a batch": (
+        _with(_batch(), reward=torch.tensor(1.0)),
+        r"field 'reward' expected a batch of rows, got a 0-d tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", BATCH_CASES.values(), ids=BATCH_CASES.keys())
+def test_add_batch_of_mismatching_rows_raises_and_changes_nothing(filled, bad):
+    data, message = bad
+    with unchanged(filled), pytest.raises(SchemaError, match=message):
+        filled.add_batch(data)
+
+
+def test_a_tensordict_batch_is_checked_like_a_dict(filled):
+    bad = rows(50, 2)
+    bad["obs"] = torch.zeros(2, 4, dtype=torch.float16)
+    with unchanged(filled), pytest.raises(SchemaError, match=r"'obs' expected dtype"):
+        filled.add_batch(bad)
+
+
+def test_add_of_a_batched_tensordict_raises_and_points_to_add_batch(filled):
+    with unchanged(filled), pytest.raises(ValueError, match=r"batch_size \[2\]; use add_batch"):
+        filled.add(rows(50, 2))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([1, 2, 3], r"add: expected a TensorDict or a dict of tensors, got list"),
+        (torch.zeros(4), r"add: expected a TensorDict or a dict of tensors, got Tensor"),
+        (_with(_row(), obs="abc"), r"field 'obs' expected a tensor, array or number, got str"),
+        (_with(_row(), obs=[0.0, 0.0, 0.0, 0.0]), r"field 'obs' expected .* got list"),
+        ({**_row(), 3: torch.zeros(1)}, r"field names must be str, got 3"),
+        (_with(_row(), obs=np.array([None] * 4)), r"field 'obs' is an object array"),
+    ],
+    ids=["list", "bare tensor", "string value", "list value", "int key", "object array"],
+)
+def test_add_of_an_unsupported_type_raises_type_error_and_changes_nothing(filled, data, message):
+    with unchanged(filled), pytest.raises(TypeError, match=message):
+        filled.add(data)
+
+
+def test_first_write_with_disagreeing_batch_dims_leaves_the_buffer_empty(make_buffer, storage):
+    buf = make_buffer(4, storage=storage)
+    with unchanged(buf), pytest.raises(SchemaError, match="disagree on the batch dimension"):
+        buf.add_batch({"obs": torch.zeros(3, 2), "reward": torch.zeros(2)})
+    assert buf.spec is None
+    buf.add_batch({"other": torch.ones(2)})  # the failed write fixed no spec
+    assert buf.sample_all()["other"].tolist() == [1.0, 1.0]
+
+
+def test_first_write_fixes_the_spec(make_buffer, storage):
+    buf = make_buffer(4, storage=storage)
+    buf.add(_row())
+    spec = {".".join(k): (f.shape, f.dtype) for k, f in buf.spec.items()}
+    assert spec == {
+        "action": ((2,), torch.float32),
+        "done": ((), torch.bool),
+        "next.obs": ((4,), torch.float32),
+        "obs": ((4,), torch.float32),
+        "reward": ((), torch.float32),
+    }
+
+
+def test_python_numbers_take_the_field_dtype_when_lossless(make_buffer):
+    buf = make_buffer(4)
+    buf.add({"count": torch.tensor(1, dtype=torch.int16), "x": torch.tensor(0.5)})
+    buf.add({"count": 7, "x": 3})
+    stored = buf.sample_all()
+    assert stored["count"].dtype == torch.int16
+    assert stored["count"].tolist() == [1, 7]
+    assert stored["x"].tolist() == [0.5, 3.0]
+    with unchanged(buf), pytest.raises(SchemaError, match=r"'count' expected dtype torch\.int16"):
+        buf.add({"count": 70_000, "x": 1.0})
+    with unchanged(buf), pytest.raises(SchemaError, match=r"'count' expected dtype torch\.int16"):
+        buf.add({"count": 1.5, "x": 1.0})
+
+
+def test_rows_after_a_rejected_write_are_stored_in_the_right_slots(filled):
+    with pytest.raises(SchemaError):
+        filled.add_batch(_with(_batch(), obs=torch.zeros(2, 1)))
+    filled.add_batch(rows(3, 2))
+    assert ids_of(filled.sample_all()) == [1, 2, 3, 4]
+    assert filled.pointer == 1
+
+
+def test_a_wrong_shape_in_the_first_nested_level_is_named_in_full(make_buffer):
+    buf = make_buffer(4)
+    buf.add_batch(TensorDict({"a": {"b": torch.zeros(2, 3)}}, batch_size=[2]))
+    with (
+        unchanged(buf),
+        pytest.raises(SchemaError, match=r"'a\.b' expected shape \[3\], got \[2\]"),
+    ):
+        buf.add_batch({"a": {"b": torch.zeros(2, 2)}})
