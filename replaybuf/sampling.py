@@ -35,8 +35,9 @@ def _put_extras(out: TensorDict, rows: TensorDictBase) -> None:
     """Extras are stored under ``extras`` and returned as top-level keys."""
     extras = rows.get("extras", None)
     if extras is not None:
-        for name in extras:
-            out.set(name, extras.get(name))
+        # items(), not iteration: iterating a TensorDict walks its batch dim, not its keys.
+        for name, value in extras.items():
+            out.set(name, value)
 
 
 def nstep_batch(
@@ -151,8 +152,10 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
         step_td = core.slots.gather(
             rows[: len(steps)], device, _keys(core, "action", "reward", "extras")
         )
-    elif spec is not None:
-        step_td = spec.zeros(0, device).exclude("observation")
+    elif spec is not None:  # no step yet: empty fields of the stored shapes
+        empty = spec.zeros(0, device)
+        out.set("observation", empty.get("observation"))
+        step_td = empty.exclude("observation")
     else:
         step_td = TensorDict({}, batch_size=[0], device=device)
     if episode.final_observation is not None:
