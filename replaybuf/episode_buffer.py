@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -58,7 +59,7 @@ def check_n(n: Any) -> NArg:
 
 
 def check_gamma(gamma: Any) -> float:
-    if isinstance(gamma, bool) or not isinstance(gamma, int | float):
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float | np.integer | np.floating):
         raise TypeError(f"gamma must be a float in (0, 1], got {gamma!r}")
     if not 0.0 < float(gamma) <= 1.0:
         raise ValueError(f"gamma must lie in (0, 1], got {gamma}")

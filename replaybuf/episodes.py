@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -128,8 +129,9 @@ class EpisodeCore:
     # ----------------------------------------------------------------- lookup
     def live(self, episode_id: Any, action: str) -> Episode:
         """The stored episode ``episode_id``, or :class:`EpisodeStateError` naming why not."""
-        if isinstance(episode_id, bool) or not isinstance(episode_id, int):
+        if isinstance(episode_id, bool) or not isinstance(episode_id, int | np.integer):
             raise EpisodeStateError(f"episode_id must be an int, got {episode_id!r}")
+        episode_id = int(episode_id)  # ids kept in numpy arrays by vectorized envs work too
         episode = self.episodes.get(episode_id)
         if episode is not None:
             return episode
@@ -151,7 +153,7 @@ class EpisodeCore:
     def step_row(
         self, observation: Any, action: Any, reward: Any, extras: Any, batched: bool, what: str
     ) -> TensorDict:
-        """The checked storage row(s) for appended steps; fixes the spec on the first step."""
+        """The checked storage row(s) for appended steps (the first append fixes the spec)."""
         data: dict[str, Any] = {"observation": observation, "action": action, "reward": reward}
         if extras is not None:
             if not isinstance(extras, dict):
@@ -163,9 +165,7 @@ class EpisodeCore:
                 )
             data["extras"] = extras
         row = to_tensordict(data, batched=batched, what=what, spec=self.slots.spec)
-        if self.slots.spec is None:
-            self.slots.prepare(FieldSpec.of(row, 1 if batched else 0))
-        else:
+        if self.slots.spec is not None:
             self.slots.spec.check(row, 1 if batched else 0, what)
         return row
 
@@ -273,6 +273,9 @@ class EpisodeCore:
         """Stage one step for each episode (``rows`` has one row per episode)."""
         protected = {e.episode_id for e in episodes}
         self.make_room(len(episodes), len(episodes), 0, protected)
+        if self.slots.spec is None:
+            # Only now, when nothing can refuse the append any more, may it fix the spec.
+            self.slots.prepare(FieldSpec.of(rows, 1))
         new_rows = [self.free.pop() for _ in episodes]
         for episode, row in zip(episodes, new_rows, strict=True):
             self._staged_meta.append((row, episode.episode_id, episode.steps, END_NONE))
@@ -292,7 +295,7 @@ class EpisodeCore:
             episode.final_row = row
             self._stage([row], final.unsqueeze(0))
         else:
-            episode.final_observation = final
+            episode.final_observation = final.clone()  # the caller may reuse its arrays
         episode.end_kind = end_kind
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
 
