@@ -1,0 +1,545 @@
+"""SyncEpisodeReplayBuffer through its public API, checked against the reference model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from episode_helpers import (
+    action,
+    assert_counts_agree,
+    assert_episode_record,
+    assert_nstep_batch,
+    assert_sequence_batch,
+    batch_of,
+    extras,
+    final_obs,
+    pairs_of,
+    step,
+)
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from reference import ReferenceBuffer
+from scipy.stats import chisquare
+
+from replaybuf import (
+    EmptyBufferError,
+    EpisodeStateError,
+    MetadataError,
+    SchemaError,
+    SyncEpisodeReplayBuffer,
+)
+
+
+@pytest.fixture
+def make(tmp_path):
+    """A factory for sync episode buffers with scratch files under ``tmp_path``, all closed."""
+    made: list[SyncEpisodeReplayBuffer] = []
+
+    def factory(max_steps=64, max_episodes=None, **kwargs):
+        kwargs.setdefault("scratch_dir", tmp_path)
+        kwargs.setdefault("seed", 0)
+        buf = SyncEpisodeReplayBuffer(max_steps, max_episodes, **kwargs)
+        made.append(buf)
+        return buf
+
+    yield factory
+    for buf in made:
+        buf.close()
+
+
+def reference_for(buf: SyncEpisodeReplayBuffer) -> ReferenceBuffer:
+    # ``rows`` is the documented row budget: max_steps plus the final-observation reserve.
+    return ReferenceBuffer(buf.max_steps, buf.max_episodes, row_capacity=buf.stats()["rows"])
+
+
+# --------------------------------------------------------------------------- random programs
+class Program:
+    """Applies one operation to the buffer and to the reference, then checks they agree."""
+
+    def __init__(self, buf: SyncEpisodeReplayBuffer) -> None:
+        self.buf = buf
+        self.ref = reference_for(buf)
+
+    def running(self) -> list[int]:
+        return [e for e, ep in self.ref.episodes.items() if not ep.ended]
+
+    def both(self, buf_call, ref_call) -> None:
+        """Run both; the reference refusing (no room) means the buffer must refuse unchanged."""
+        before = self.buf.stats()
+        try:
+            ref_call()
+        except ValueError:
+            with pytest.raises(ValueError, match="cannot make room"):
+                buf_call()
+            assert self.buf.stats() == before
+            return
+        buf_call()
+
+    def start(self, agent: str) -> None:
+        e = self.buf.start_episode(agent)
+        assert e == self.ref.start(agent)
+
+    def append(self, pick: int, count: int = 1) -> None:
+        """``count`` steps to one running episode (started first if none runs)."""
+        if not self.running():
+            self.start("a")
+        running = self.running()
+        e = running[pick % len(running)]
+        for _ in range(count):
+            o, a, r, x = step(e, self.ref.episodes[e].steps)
+            self.both(
+                lambda: self.buf.append_observation_action_reward(e, o, a, r, x),  # noqa: B023
+                lambda: self.ref.append([e], [o], [a], [r], [x]),  # noqa: B023
+            )
+
+    def append_batch(self, picks: list[int]) -> None:
+        running = self.running()
+        ids = sorted({running[p % len(running)] for p in picks}) if running else []
+        if ids:
+            steps = [step(e, self.ref.episodes[e].steps) for e in ids]
+            args = batch_of(steps)
+            self.both(
+                lambda: self.buf.append_batch(ids, *args),
+                lambda: self.ref.append(ids, *(list(col) for col in zip(*steps, strict=True))),
+            )
+
+    def end(self, pick: int, status: str) -> None:
+        running = self.running()
+        if running:
+            e = running[pick % len(running)]
+            final = final_obs(e, self.ref.episodes[e].steps)
+            self.both(
+                lambda: self.buf.end_episode(e, status, final_observation=final),
+                lambda: self.ref.end(e, status, final),
+            )
+
+    def sample_all(self, n: int, gamma: float) -> None:
+        if len(self.ref.valid_pairs()) == 0:
+            with pytest.raises(EmptyBufferError, match="0 valid step"):
+                self.buf.sample_n_step(1, n, gamma)
+            return
+        batch = self.buf.sample_n_step(len(self.buf) + 3, n, gamma, replace=False)
+        pairs = pairs_of(batch)
+        assert len(pairs) == len(set(pairs))
+        assert set(pairs) == self.ref.valid_pairs()  # every valid step once, nothing evicted
+        assert_nstep_batch(batch, self.ref, n, gamma)
+
+    def sample(self, n, gamma: float) -> None:
+        if self.ref.valid_steps:
+            assert_nstep_batch(self.buf.sample_n_step(16, n, gamma), self.ref, n, gamma)
+
+    def sequences(self, length: int, strict: bool) -> None:
+        if not self.ref.valid_steps:
+            return
+        if strict and not self.ref.sequence_starts(length):
+            with pytest.raises(EmptyBufferError, match="consecutive steps"):
+                self.buf.sample_sequences(4, length, strict=True)
+            return
+        batch = self.buf.sample_sequences(6, length, strict=strict)
+        assert_sequence_batch(batch, self.ref, length)
+        if strict:
+            assert batch["mask"].all()
+
+    def episode(self, pick: int) -> None:
+        if not self.ref.next_id:
+            return
+        e = pick % self.ref.next_id
+        if e in self.ref.episodes:
+            assert_episode_record(self.buf.get_episode(e), self.ref, e)
+        else:
+            with pytest.raises(EpisodeStateError, match=f"episode {e}: it was evicted"):
+                self.buf.get_episode(e)
+            if e in self.ref.evicted_ids:
+                o, a, r, x = step(e, 0)
+                with pytest.raises(EpisodeStateError, match=f"append to episode {e}: .*evicted"):
+                    self.buf.append_observation_action_reward(e, o, a, r, x)
+
+    def sample_episodes(self, k: int) -> None:
+        if not self.ref.episodes:
+            with pytest.raises(EmptyBufferError, match="holds none"):
+                self.buf.sample_episodes(k)
+            return
+        records = self.buf.sample_episodes(k)
+        ids = [int(r["episode_id"]) for r in records]
+        assert len(ids) == min(k, len(self.ref.episodes)) == len(set(ids))
+        for record, e in zip(records, ids, strict=True):
+            assert_episode_record(record, self.ref, e)
+
+    def epochs(self, batch_size: int, n: int) -> None:
+        valid = self.ref.valid_pairs()
+        if not valid:
+            return
+        per_epoch = -(-len(valid) // batch_size)
+        batches = list(self.buf.iterate_epochs(batch_size, 2, n=n, gamma=0.9))
+        assert len(batches) == 2 * per_epoch
+        for epoch in range(2):
+            chunk = batches[epoch * per_epoch : (epoch + 1) * per_epoch]
+            seen = [p for b in chunk for p in pairs_of(b)]
+            assert sorted(seen) == sorted(valid)
+            for b in chunk:
+                assert_nstep_batch(b, self.ref, n, 0.9)
+
+    def check(self) -> None:
+        assert_counts_agree(self.buf, self.ref)
+
+
+gammas = st.sampled_from([1.0, 0.99, 0.9, 0.5])
+n_args = st.one_of(
+    st.integers(1, 4),
+    st.tuples(st.integers(1, 3), st.integers(0, 2)).map(lambda p: (p[0], p[0] + p[1])),
+)
+picks = st.integers(0, 30)
+operations = st.one_of(
+    st.tuples(st.just("start"), st.sampled_from(["a", "b"])),
+    st.tuples(st.just("start"), st.sampled_from(["a", "b"])),
+    st.tuples(st.just("append"), picks, st.integers(1, 4)),
+    st.tuples(st.just("append"), picks, st.integers(1, 4)),
+    st.tuples(st.just("append"), picks, st.integers(1, 4)),
+    st.tuples(st.just("append_batch"), st.lists(picks, min_size=1, max_size=3)),
+    st.tuples(st.just("end"), picks, st.sampled_from(["terminated", "truncated", "COMPLETED"])),
+    st.tuples(st.just("sample_all"), st.integers(1, 5), gammas),
+    st.tuples(st.just("sample"), n_args, gammas),
+    st.tuples(st.just("sequences"), st.integers(1, 4), st.booleans()),
+    st.tuples(st.just("episode"), picks),
+    st.tuples(st.just("sample_episodes"), st.integers(1, 3)),
+    st.tuples(st.just("epochs"), st.integers(1, 5), st.integers(1, 3)),
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    max_steps=st.integers(2, 12),
+    max_episodes=st.one_of(st.none(), st.integers(1, 4)),
+    storage=st.sampled_from(["tensor", "tensor", "memmap"]),
+    ops=st.lists(operations, min_size=8, max_size=40),
+)
+def test_random_interleavings_agree_with_the_reference(make, max_steps, max_episodes, storage, ops):
+    program = Program(make(max_steps, max_episodes, storage=storage))
+    program.check()
+    for name, *args in ops:
+        getattr(program, name)(*args)
+        program.check()
+    stats = program.buf.stats()
+    event(f"evicted: {min(stats['evicted_episodes'], 3)}")
+    event(f"valid steps: {min(stats['valid_steps'], 5)}")
+    program.buf.close()
+
+
+def test_many_short_episodes_are_evicted_by_the_row_budget_before_max_steps(make):
+    # Without max_episodes, final observations share a reserve of max(16, max_steps / 16) rows.
+    buf = make(20)
+    program = Program(buf)
+    assert program.ref.row_capacity == 20 + 16
+    for _ in range(30):
+        program.start("a")
+        e = program.running()[0]
+        program.append(e)
+        program.end(e, "terminated")
+        program.check()
+    assert buf.stats()["evicted_episodes"] > 0
+    assert buf.stats()["steps"] < 20
+    program.sample_all(2, 0.9)
+
+
+def test_eviction_takes_oldest_finished_first_then_oldest_in_progress(make):
+    buf = make(6)
+    a, b, c = (buf.start_episode() for _ in range(3))
+    for e in (a, b, c):
+        for t in range(2):
+            buf.append_observation_action_reward(e, *step(e, t))
+    buf.end_episode(b, "truncated", final_observation=final_obs(b, 2))
+    d = buf.start_episode()
+    # 6 steps stored; d's first step needs room: b (finished) goes first, though a is older
+    buf.append_observation_action_reward(d, *step(d, 0))
+    assert buf.stats()["evicted_episodes"] == 1
+    with pytest.raises(EpisodeStateError, match=f"episode {b}: it was evicted"):
+        buf.get_episode(b)
+    assert buf.stats()["in_progress"] == 3
+    evicted = []
+    for t in (1, 2, 3, 4):  # then the oldest in progress: a (at d's step 2), c (at step 4)
+        buf.append_observation_action_reward(d, *step(d, t))
+        evicted.append(buf.stats()["evicted_episodes"])
+    assert evicted == [1, 2, 2, 3]
+    with pytest.raises(EpisodeStateError, match=f"append to episode {a}: it was evicted"):
+        buf.append_observation_action_reward(a, *step(a, 2))
+    with pytest.raises(EpisodeStateError, match=f"end episode {c}: it was evicted"):
+        buf.end_episode(c, final_observation=final_obs(c, 2))
+    assert buf.stats()["episodes"] == 1
+    assert buf.sample_n_step(9, replace=False)["episode_id"].unique().tolist() == [d]
+
+
+def test_an_episode_is_never_evicted_for_its_own_append(make):
+    buf = make(3)
+    e = buf.start_episode()
+    for t in range(3):
+        buf.append_observation_action_reward(e, *step(e, t))
+    before = buf.stats()
+    with pytest.raises(ValueError, match=r"cannot make room .*episode\(s\) \[0\] being written"):
+        buf.append_observation_action_reward(e, *step(e, 3))
+    assert buf.stats() == before
+    buf.end_episode(e, "terminated", final_observation=final_obs(e, 3))
+    assert len(buf) == 3
+
+
+def test_max_episodes_is_enforced_at_start_episode(make):
+    buf = make(50, 2)
+    ids = [buf.start_episode() for _ in range(3)]
+    assert buf.stats()["episodes"] == 2
+    assert buf.stats()["evicted_episodes"] == 1
+    with pytest.raises(EpisodeStateError, match=f"episode {ids[0]}: it was evicted"):
+        buf.append_observation_action_reward(ids[0], *step(ids[0], 0))
+
+
+# --------------------------------------------------------------------------- uniformity
+def _interleaved(buf, lengths_and_status, seed=0):
+    """Episodes of the given lengths, their steps interleaved at random; returns the ref."""
+    ref = reference_for(buf)
+    rng = np.random.default_rng(seed)
+    for _ in lengths_and_status:
+        e = buf.start_episode()
+        assert e == ref.start()
+    todo = [e for e, (length, _) in enumerate(lengths_and_status) for _ in range(length)]
+    rng.shuffle(todo)
+    for e in todo:
+        o, a, r, x = step(e, ref.episodes[e].steps)
+        buf.append_observation_action_reward(e, o, a, r, x)
+        ref.append([e], [o], [a], [r], [x])
+    for e, (_, status) in enumerate(lengths_and_status):
+        if status is not None:
+            final = final_obs(e, ref.episodes[e].steps)
+            buf.end_episode(e, status, final_observation=final)
+            ref.end(e, status, final)
+    return ref
+
+
+def test_n_step_sampling_is_uniform_over_valid_steps(make):
+    buf = make(200, storage="tensor", seed=1234)
+    shape = [(3, "terminated"), (7, None), (12, "truncated"), (20, None), (1, "terminated")]
+    ref = _interleaved(buf, shape)
+    cells = sorted(ref.valid_pairs())
+    assert len(cells) == len(buf) == 3 + 6 + 12 + 19 + 1
+    counts = Counter()
+    for _ in range(40):
+        counts.update(pairs_of(buf.sample_n_step(500, n=3, gamma=0.9)))
+    assert set(counts) == set(cells)
+    observed = [counts[c] for c in cells]
+    assert chisquare(observed).pvalue > 0.001
+
+
+def test_strict_sequence_starts_are_uniform_over_starts_that_fit(make):
+    buf = make(200, storage="tensor", seed=99)
+    ref = _interleaved(buf, [(4, "terminated"), (9, None), (15, "truncated"), (2, None)])
+    cells = sorted(ref.sequence_starts(4))
+    counts = Counter()
+    for _ in range(30):
+        batch = buf.sample_sequences(256, 4)
+        counts.update(
+            zip(batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist(), strict=True)
+        )
+    assert set(counts) == set(cells)
+    assert chisquare([counts[c] for c in cells]).pvalue > 0.001
+
+
+# --------------------------------------------------------------------------- input kinds
+def test_numpy_python_and_nested_dict_inputs_round_trip(make):
+    buf = make(32)
+    e = buf.start_episode()
+    for t in range(3):
+        observation = {
+            "pixels": np.full((2, 2), t, dtype=np.uint8),
+            "state": {"pos": torch.tensor([t, -t], dtype=torch.float32), "t": t},
+        }
+        buf.append_observation_action_reward(
+            e, observation, float(t) / 2, np.float32(t), {"h": np.arange(3) + t}
+        )
+    final = {
+        "pixels": np.full((2, 2), 9, dtype=np.uint8),
+        "state": {"pos": torch.tensor([9.0, 9.0]), "t": 9},
+    }
+    buf.end_episode(e, "truncated", final_observation=final)
+    record = buf.get_episode(e)
+    assert record["observation", "pixels"].dtype == torch.uint8
+    assert record["observation", "pixels"][:, 0, 0].tolist() == [0, 1, 2, 9]
+    assert record["observation", "state", "t"].tolist() == [0, 1, 2, 9]
+    assert record["action"].tolist() == [0.0, 0.5, 1.0]
+    assert record["reward"].tolist() == [0.0, 1.0, 2.0]
+    assert record["h"].tolist() == [[0, 1, 2], [1, 2, 3], [2, 3, 4]]
+    batch = buf.sample_n_step(10, n=2, gamma=0.5, replace=False)
+    for i in range(batch.batch_size[0]):
+        t = int(batch["start_step"][i])
+        m = int(batch["actual_n"][i])
+        assert int(batch["observation", "state", "t"][i]) == t
+        assert int(batch["next_observation", "state", "t"][i]) == (9 if t + m == 3 else t + m)
+        assert batch["h"][i].tolist() == [t, t + 1, t + 2]
+        assert float(batch["reward"][i]) == pytest.approx(sum(0.5**k * (t + k) for k in range(m)))
+        assert bool(batch["truncated"][i]) == (t + m == 3)
+        assert not bool(batch["terminal"][i])
+
+
+def test_integer_rewards_give_float_discounted_returns(make):
+    buf = make(8)
+    e = buf.start_episode()
+    for t in range(3):
+        buf.append_observation_action_reward(e, float(t), 0, 1)
+    buf.end_episode(e, "terminated", final_observation=3.0)
+    batch = buf.sample_n_step(3, n=3, gamma=0.5, replace=False)
+    by_step = dict(zip(batch["start_step"].tolist(), batch["reward"].tolist(), strict=True))
+    assert by_step == {0: 1.75, 1: 1.5, 2: 1.0}
+
+
+def test_appended_arrays_are_copied_so_callers_may_reuse_them(make):
+    buf = make(8)
+    e, empty = buf.start_episode(), buf.start_episode()
+    array = np.zeros(2, dtype=np.float32)
+    buf.append_observation_action_reward(e, array, 0, 0.0)
+    array[:] = 5
+    buf.end_episode(e, "terminated", final_observation=array)
+    array[:] = 7
+    buf.end_episode(empty, "terminated", final_observation=array)
+    array[:] = 9
+    assert buf.get_episode(e)["observation"].tolist() == [[0, 0], [5, 5]]
+    assert buf.get_episode(empty)["observation"].tolist() == [[7, 7]]
+
+
+def test_extras_round_trip_through_every_reader(make):
+    buf = make(16)
+    ref = _interleaved(buf, [(4, "terminated"), (3, None)])
+    record = buf.get_episode(0)
+    assert record["logp"].tolist() == [-(t + 1) / 8 for t in range(4)]
+    batch = buf.sample_n_step(16, n=2, replace=False)
+    assert_nstep_batch(batch, ref, 2, 0.99)
+    assert set(batch.keys()) >= {"logp", "flag"}
+    assert_sequence_batch(buf.sample_sequences(8, 3, strict=False), ref, 3)
+
+
+@pytest.mark.parametrize("name", ["reward", "next_observation", "terminal", "mask", "episode_id"])
+def test_extras_name_colliding_with_a_returned_key_raises(make, name):
+    buf = make(8)
+    e = buf.start_episode()
+    with pytest.raises(SchemaError, match=f"extras names \\['{name}'\\] collide"):
+        buf.append_observation_action_reward(e, 0.0, 0, 0.0, {name: 1.0})
+    assert buf.stats()["steps"] == 0
+    assert buf.spec is None
+
+
+def test_zero_step_episode_holds_nothing_to_sample(make):
+    buf = make(8)
+    e = buf.start_episode()
+    buf.end_episode(e, "truncated", final_observation=torch.zeros(3))
+    assert len(buf) == 0
+    assert buf.stats()["truncated"] == 1
+    with pytest.raises(EmptyBufferError, match="0 valid step"):
+        buf.sample_n_step(1)
+    record = buf.get_episode(e)
+    assert int(record["length"]) == 0
+    assert record["observation"].tolist() == [[0.0, 0.0, 0.0]]
+
+
+def test_get_episode_of_a_fresh_episode_has_an_empty_observation(make):
+    buf = make(8)
+    ref = _interleaved(buf, [(2, "terminated")])
+    e = buf.start_episode()
+    ref.start()
+    record = buf.get_episode(e)
+    assert record["observation"].shape == (0, 3)
+    assert record["action"].shape == (0,)
+    assert_episode_record(record, ref, e)
+
+
+# --------------------------------------------------------------------------- min_steps, empty
+def test_sampling_below_min_steps_raises_until_enough_valid_steps(make):
+    buf = make(32, min_steps=5)
+    e = buf.start_episode()
+    for t in range(5):
+        buf.append_observation_action_reward(e, *step(e, t))
+    assert len(buf) == 4
+    for call in (
+        lambda: buf.sample_n_step(2),
+        lambda: buf.sample_sequences(2, 1),
+        lambda: buf.iterate_epochs(2),
+    ):
+        with pytest.raises(EmptyBufferError, match=r"4 valid step\(s\) stored.*min_steps=5"):
+            call()
+    buf.append_observation_action_reward(e, *step(e, 5))
+    assert buf.sample_n_step(2).batch_size == (2,)
+
+
+def test_sampling_an_empty_buffer_raises(make):
+    buf = make(8)
+    with pytest.raises(EmptyBufferError, match="0 valid step"):
+        buf.sample_n_step(1)
+    with pytest.raises(EmptyBufferError, match="holds none"):
+        buf.sample_episodes(1)
+    e = buf.start_episode()
+    buf.append_observation_action_reward(e, *step(e, 0))
+    with pytest.raises(EmptyBufferError, match="0 valid step"):
+        buf.sample_sequences(1, 1)
+
+
+# --------------------------------------------------------------------------- save / load
+def test_save_and_load_metadata(make, tmp_path):
+    buf = make(32, 4)
+    ref = _interleaved(buf, [(3, "terminated"), (2, None)])
+    buf.save(tmp_path / "episodes")
+    assert (tmp_path / "episodes.metadata").exists()
+    other = make(32, 4)
+    document = other.load(tmp_path / "episodes")
+    assert document["steps"] == ref.steps == 5
+    assert document["valid_steps"] == ref.valid_steps == 4
+    assert document["episodes"] == 2
+    assert document["next_episode_id"] == 2
+    assert other.spec == buf.spec
+    e = other.start_episode()
+    with pytest.raises(SchemaError, match="expected shape"):
+        other.append_observation_action_reward(e, torch.zeros(4), action(0, 0), 0.0, extras(0))
+    with pytest.raises(MetadataError, match="max_steps: metadata has 32, this buffer 16"):
+        make(16).load(tmp_path / "episodes")
+    with pytest.raises(MetadataError, match="does not exist"):
+        other.load(tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- storages
+@pytest.mark.parametrize("storage", ["memmap", "tensor"])
+def test_both_storages_serve_the_same_samples(make, storage, tmp_path):
+    buf = make(40, 5, storage=storage, seed=7)
+    assert buf.stats()["storage"] == storage
+    ref = _interleaved(buf, [(5, "terminated"), (8, "truncated"), (4, None), (0, "terminated")])
+    for n in (1, 3, (1, 4)):
+        assert_nstep_batch(buf.sample_n_step(64, n, 0.9), ref, n, 0.9)
+    assert_sequence_batch(buf.sample_sequences(16, 5, strict=False), ref, 5)
+    assert_sequence_batch(buf.sample_sequences(16, 5, strict=True), ref, 5)
+    if storage == "memmap":
+        assert list(tmp_path.glob("replaybuf-*"))
+    buf.close()
+    assert not list(tmp_path.glob("replaybuf-*"))
+
+
+def test_stored_bytes_per_transition_stay_within_1_1x_of_the_payload(make):
+    episodes, length = 3, 1000
+    buf = make(episodes * length, episodes, storage="tensor")
+    ids = [buf.start_episode() for _ in range(episodes)]
+    frame = torch.zeros(len(ids), 4, 84, 84, dtype=torch.uint8)
+    for t in range(length):
+        frame[:, 0, 0, 0] = t % 256
+        buf.append_batch(ids, frame, torch.zeros(len(ids), dtype=torch.int64), torch.ones(3))
+    for e in ids:
+        buf.end_episode(e, "truncated", final_observation=frame[0])
+    stats = buf.stats()
+    assert stats["steps"] == episodes * length
+    payload = 4 * 84 * 84 + 8 + 4  # observation + int64 action + float32 reward
+    assert stats["bytes"] / stats["steps"] <= 1.1 * payload
+    # the storage never grows: replacing a whole episode keeps the bytes
+    e = buf.start_episode()
+    for _ in range(10):
+        buf.append_observation_action_reward(e, frame[0], 0, 1.0)
+    after = buf.stats()
+    assert after["evicted_episodes"] == 1
+    assert after["steps"] == (episodes - 1) * length + 10
+    assert after["bytes"] == stats["bytes"]
