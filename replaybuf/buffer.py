@@ -289,6 +289,7 @@ class ReplayBuffer:
         :meth:`sample_batch`, exactly as when no iterator was ever created (ObjectRL's
         ``n_epochs=0`` mode).
         """
+        positive_int(batch_size, "batch_size")
         if self._iterator is not None:
             try:
                 return next(self._iterator)
@@ -306,9 +307,11 @@ class ReplayBuffer:
         ``n_epochs=0`` means random sampling for ``max_iter`` steps (no iterator).
         """
         n_epochs = int_at_least(n_epochs, "n_epochs", 0)
+        positive_int(batch_size, "batch_size")
         if n_epochs == 0:
+            max_iter = int_at_least(max_iter, "max_iter", 0)
             self._iterator = None
-            return int_at_least(max_iter, "max_iter", 0)
+            return max_iter
         self.create_epoch_iterator(batch_size, n_epochs)
         return n_epochs * self.calculate_num_batches(batch_size)
 

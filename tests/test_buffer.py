@@ -398,6 +398,7 @@ def test_close_is_idempotent_and_later_use_raises_buffer_closed(make_buffer, sto
         buf.stats()
     with pytest.raises(BufferClosedError, match="closed"):
         _ = buf.memory
+    assert (len(buf), buf.pointer) == (2, 2)  # the counters are untouched
 
 
 def test_context_manager_closes_the_buffer(tmp_path, storage):

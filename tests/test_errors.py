@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from replay_helpers import rows, unchanged
+from replay_helpers import ids_of, rows, unchanged
 
 from replaybuf import (
     BufferClosedError,
@@ -141,9 +141,20 @@ def test_create_epoch_iterator_with_zero_epochs_raises(filled):
         filled.create_epoch_iterator(2, 0)
 
 
-def test_negative_max_iter_raises(filled):
+def test_negative_max_iter_raises_and_keeps_the_installed_iterator(filled):
+    filled.create_epoch_iterator(3, shuffle=False)
     with unchanged(filled), pytest.raises(ValueError, match="max_iter must be >= 0, got -1"):
         filled.get_steps_and_iterator(0, -1, 2)
+    assert ids_of(filled.get_next_batch(2)) == [2, 3, 4]  # still the epoch, batch 3
+
+
+def test_bad_batch_size_raises_even_while_an_iterator_is_installed(filled):
+    filled.create_epoch_iterator(3, shuffle=False)
+    with unchanged(filled), pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        filled.get_next_batch(0)
+    with unchanged(filled), pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        filled.get_steps_and_iterator(0, 10, 0)
+    assert ids_of(filled.get_next_batch(3)) == [2, 3, 4]
 
 
 @pytest.mark.parametrize(("size", "error"), [(0, ValueError), (-5, ValueError), (2.5, TypeError)])

@@ -109,7 +109,8 @@ def test_load_does_not_run_a_pickle_planted_as_metadata(make_buffer, tmp_path):
 
     _metadata_file(tmp_path / "buf").write_bytes(pickle.dumps(Payload()))
     buf = make_buffer(4)
-    with pytest.raises(MetadataError, match="is not valid JSON"):
+    buf.add_batch(rows(0, 2))
+    with unchanged(buf), pytest.raises(MetadataError, match="is not valid JSON"):
         buf.load(tmp_path / "buf")
     assert not marker.exists()
 
@@ -135,7 +136,7 @@ def test_a_failed_save_keeps_the_old_file_and_leaves_no_temporary_files(
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", replace_fails)
-    with pytest.raises(OSError, match="disk full"):
+    with unchanged(buf), pytest.raises(OSError, match="disk full"):
         buf.save(tmp_path / "buf")
     monkeypatch.undo()
     assert _metadata_file(tmp_path / "buf").read_bytes() == before
@@ -149,5 +150,5 @@ def test_loading_never_takes_rows_it_does_not_hold(tmp_path):
     with ReplayBuffer("cpu", "cpu", 4, storage="tensor") as target:
         target.load(tmp_path / "buf")
         assert len(target) == 0
-        with pytest.raises(ValueError, match="empty"):
+        with unchanged(target), pytest.raises(ValueError, match="empty"):
             target.sample_batch(1)

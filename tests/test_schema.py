@@ -214,7 +214,7 @@ def test_python_numbers_take_the_field_dtype_when_lossless(make_buffer):
 
 
 def test_rows_after_a_rejected_write_are_stored_in_the_right_slots(filled):
-    with pytest.raises(SchemaError):
+    with unchanged(filled), pytest.raises(SchemaError, match="'obs' expected shape"):
         filled.add_batch(_with(_batch(), obs=torch.zeros(2, 1)))
     filled.add_batch(rows(3, 2))
     assert ids_of(filled.sample_all()) == [1, 2, 3, 4]
