@@ -92,8 +92,14 @@ class FieldSpec(Mapping[Key, Field]):
             dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"field {name!r}: unknown dtype {entry['dtype']!r}")
-            key = tuple(str(part) for part in entry["key"])
-            fields[key] = Field(tuple(int(d) for d in entry["shape"]), dtype)
+            key, shape = entry["key"], entry["shape"]
+            if not isinstance(key, list) or ".".join(map(str, key)) != name:
+                raise ValueError(f"field {name!r}: key expected the name's parts, got {key!r}")
+            if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise ValueError(f"field {name!r}: shape expected sizes >= 0, got {shape!r}")
+            fields[tuple(key)] = Field(tuple(shape), dtype)
         return cls(fields)
 
     def zeros(self, rows: int, device: torch.device | str = "cpu") -> TensorDict:

@@ -322,6 +322,22 @@ def test_loading_missing_metadata_raises_metadata_error(filled, tmp_path):
             "'spec' is malformed: field 'obs': unknown dtype 'nn'",
         ),
         (lambda d: {**d, "spec": [1, 2]}, "'spec' is malformed"),
+        (
+            lambda d: {**d, "spec": {"obs": {"key": "obs", "shape": [4], "dtype": "float32"}}},
+            r"field 'obs': key expected the name's parts, got 'obs'",
+        ),
+        (
+            lambda d: {**d, "spec": {"a.b": {"key": ["a", "c"], "shape": [], "dtype": "bool"}}},
+            r"field 'a\.b': key expected the name's parts, got \['a', 'c'\]",
+        ),
+        (
+            lambda d: {**d, "spec": {"obs": {"key": ["obs"], "shape": [-1], "dtype": "float32"}}},
+            r"field 'obs': shape expected sizes >= 0, got \[-1\]",
+        ),
+        (
+            lambda d: {**d, "spec": {"obs": {"key": ["obs"], "shape": ["4"], "dtype": "float32"}}},
+            r"field 'obs': shape expected sizes >= 0, got \['4'\]",
+        ),
     ],
     ids=[
         "truncated",
@@ -339,6 +355,10 @@ def test_loading_missing_metadata_raises_metadata_error(filled, tmp_path):
         "spec entry incomplete",
         "spec unknown dtype",
         "spec not a mapping",
+        "spec key not a list",
+        "spec key not its name",
+        "spec negative size",
+        "spec size not an int",
     ],
 )
 @pytest.mark.parametrize("stored", [0, 6], ids=["into empty", "into filled"])
