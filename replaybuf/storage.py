@@ -280,8 +280,13 @@ class _PinnedStager:
     """Gathers CPU rows into reusable pinned buffers, then copies them to CUDA without blocking.
 
     Two buffer sets per batch shape alternate; before a set is refilled we wait on the CUDA event
-    recorded after its last copy, so a non-blocking copy is never overwritten mid-flight.
+    recorded after its last copy, so a non-blocking copy is never overwritten mid-flight. Only
+    the most recently used batch shapes keep their buffers (``sample_all`` on a growing buffer
+    asks for a new shape each time); dropping a set is safe, as PyTorch's pinned allocator
+    holds a block until the copies recorded on it finish.
     """
+
+    max_shapes = 8
 
     def __init__(self) -> None:
         self._sets: dict[tuple, list[tuple[list[torch.Tensor], torch.cuda.Event | None]]] = {}
@@ -296,7 +301,12 @@ class _PinnedStager:
     ) -> list[torch.Tensor]:
         rows = slots.shape[0]
         signature = (rows, device, tuple(k for k, _ in leaves))
-        sets = self._sets.setdefault(signature, [])
+        sets = self._sets.pop(signature, [])
+        self._sets[signature] = sets  # most recently used last
+        if len(self._sets) > self.max_shapes:
+            oldest = next(iter(self._sets))
+            del self._sets[oldest]
+            self._turn.pop(oldest, None)
         turn = self._turn.get(signature, 0)
         self._turn[signature] = turn ^ 1
         if len(sets) <= turn:

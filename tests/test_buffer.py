@@ -456,3 +456,18 @@ def test_cuda_storage_takes_cpu_input_and_same_seed_gives_same_batches():
         a.add_batch(rows(0, 32))
         b.add_batch(rows(0, 32).to("cuda"))
         assert ids_of(a.sample_batch(16).to("cpu")) == ids_of(b.sample_batch(16).to("cpu"))
+
+
+@pytest.mark.gpu
+@cuda
+def test_pinned_path_stays_correct_across_many_batch_shapes(tmp_path):
+    with ReplayBuffer("cuda", "cpu", 64, scratch_dir=tmp_path, seed=0) as buf:
+        for count in range(1, 25):  # more shapes than the staging cache keeps
+            buf.add_batch(rows(count * 100, 1))
+            expected = [k * 100 for k in range(1, count + 1)]
+            assert ids_of(buf.sample_all().to("cpu")) == expected
+            picked = buf.sample_by_index(list(range(count)))
+            assert ids_of(picked.to("cpu")) == expected[:count]
+        first, second = buf.sample_batch(16), buf.sample_batch(16)
+        torch.cuda.synchronize()
+        assert set(ids_of(first.to("cpu"))) | set(ids_of(second.to("cpu"))) <= set(expected)
