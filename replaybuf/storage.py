@@ -242,7 +242,9 @@ class SlotStorage:
         else:
             values = [torch.index_select(t, 0, slots) for _, t in leaves]
             if device != self.storing_device:
-                values = [v.to(device, non_blocking=True) for v in values]
+                # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
+                # the data has arrived, and nothing here would wait for it.
+                values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
         return build_tensordict([k for k, _ in leaves], values, rows, device)
 
     def column(self, key: Key) -> torch.Tensor:

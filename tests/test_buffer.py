@@ -471,3 +471,15 @@ def test_pinned_path_stays_correct_across_many_batch_shapes(tmp_path):
         first, second = buf.sample_batch(16), buf.sample_batch(16)
         torch.cuda.synchronize()
         assert set(ids_of(first.to("cpu"))) | set(ids_of(second.to("cpu"))) <= set(expected)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_storage_serves_complete_batches_on_the_cpu():
+    with ReplayBuffer("cpu", "cuda", 4096, seed=0) as buf:
+        buf.add_batch(rows(0, 4096))
+        for _ in range(20):  # read at once, without any synchronization
+            batch = buf.sample_batch(1024)
+            assert batch.device == torch.device("cpu")
+            ids_of(batch)  # checks every field of every row against its id
+        assert ids_of(buf.sample_all()) == list(range(4096))
