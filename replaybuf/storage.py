@@ -100,7 +100,8 @@ class _ScratchFolder:
     def __init__(self, parent: str | os.PathLike | None) -> None:
         if parent is not None and not Path(parent).is_dir():
             raise ValueError(f"scratch_dir must be an existing directory, got {str(parent)!r}")
-        self.path = Path(tempfile.mkdtemp(prefix="replaybuf-", dir=parent))
+        # Absolute, so cleanup still finds it after the process changes directory.
+        self.path = Path(tempfile.mkdtemp(prefix="replaybuf-", dir=parent)).absolute()
         # weakref.finalize also runs at interpreter exit, and never touches signal handlers.
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
 

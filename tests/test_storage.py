@@ -205,3 +205,16 @@ def test_a_process_that_exits_normally_leaves_no_scratch_folder(tmp_path):
     assert not mine.exists()
     assert tmp_path.is_dir()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_scratch_dir_is_cleaned_up_after_a_change_of_directory(tmp_path, monkeypatch):
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    buf = ReplayBuffer("cpu", "cpu", 4, scratch_dir="scratch")
+    buf.add_batch(rows(0, 2))
+    assert Path(buf.stats()["scratch_dir"]).is_absolute()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert ids_of(buf.sample_all()) == [0, 1]
+    buf.close()
+    assert list((tmp_path / "scratch").iterdir()) == []
