@@ -119,6 +119,7 @@ class SyncEpisodeReplayBuffer:
     def memory(self):
         """The TorchRL ``TensorDictReplayBuffer`` holding the rows (final observations too)."""
         self._check_open()
+        self._core.flush()  # staged steps are written first, as for every other read
         return self._core.slots.memory
 
     @property
