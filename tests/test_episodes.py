@@ -347,6 +347,25 @@ def test_strict_sequence_starts_are_uniform_over_starts_that_fit(make):
     assert chisquare([counts[c] for c in cells]).pvalue > 0.001
 
 
+def test_strict_sequences_stay_uniform_when_few_starts_fit(make):
+    # 150 one-step episodes and one of 5 steps: 3 of 155 valid steps start a run of 3, so
+    # rejection sampling mostly fails and the exact scan fills the batch
+    buf = make(200, storage="tensor", seed=5)
+    ref = _interleaved(buf, [(1, "terminated")] * 150 + [(5, "truncated")])
+    cells = sorted(ref.sequence_starts(3))
+    assert cells == [(150, 0), (150, 1), (150, 2)]
+    counts = Counter()
+    for _ in range(10):
+        batch = buf.sample_sequences(300, 3)
+        assert batch["mask"].all()
+        assert_sequence_batch(batch[:20], ref, 3)
+        counts.update(
+            zip(batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist(), strict=True)
+        )
+    assert set(counts) == set(cells)
+    assert chisquare([counts[c] for c in cells]).pvalue > 0.001
+
+
 # --------------------------------------------------------------------------- input kinds
 def test_numpy_python_and_nested_dict_inputs_round_trip(make):
     buf = make(32)
@@ -481,6 +500,34 @@ def test_sampling_an_empty_buffer_raises(make):
     buf.append_observation_action_reward(e, *step(e, 0))
     with pytest.raises(EmptyBufferError, match="0 valid step"):
         buf.sample_sequences(1, 1)
+
+
+# --------------------------------------------------------------------------- clear, memory
+def test_clear_drops_every_episode_and_old_ids_stay_invalid(make):
+    buf = make(32, 4)
+    _interleaved(buf, [(3, "terminated"), (4, None)])
+    buf.clear()
+    assert len(buf) == 0
+    stats = buf.stats()
+    assert (stats["episodes"], stats["steps"], stats["valid_steps"]) == (0, 0, 0)
+    with pytest.raises(EmptyBufferError, match="0 valid step"):
+        buf.sample_n_step(1)
+    with pytest.raises(EpisodeStateError, match="append to episode 1: it was evicted or cleared"):
+        buf.append_observation_action_reward(1, *step(1, 4))
+    e = buf.start_episode()
+    assert e == 2
+    for t in range(3):
+        buf.append_observation_action_reward(e, *step(e, t))
+    assert sorted(pairs_of(buf.sample_n_step(9, replace=False))) == [(2, 0), (2, 1)]
+
+
+def test_memory_holds_every_completed_append(make):
+    buf = make(32, storage="tensor")
+    e = buf.start_episode()
+    for t in range(3):
+        buf.append_observation_action_reward(e, *step(e, t))
+    rows = buf.memory.storage.get(torch.arange(3))
+    assert sorted(rows["observation"][:, 1].tolist()) == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------- save / load
