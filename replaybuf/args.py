@@ -33,7 +33,9 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
             raise TypeError(f"{name} must hold ints, got {indices!r}")
         tensor = torch.tensor(indices, dtype=torch.long)
     elif isinstance(indices, np.ndarray):
-        tensor = torch.from_numpy(np.asarray(indices))
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(indices))  # reversed views have -strides
     elif isinstance(indices, torch.Tensor):
         tensor = indices
     else:

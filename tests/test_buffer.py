@@ -250,7 +250,7 @@ def test_different_seeds_give_different_batches(make_buffer, storage):
     assert ids_of(a.sample_batch(50)) != ids_of(b.sample_batch(50))
 
 
-def test_sample_by_index_accepts_list_range_tensor_and_array(make_buffer, storage):
+def test_sample_by_index_accepts_list_tuple_range_tensor_and_array(make_buffer, storage):
     buf = make_buffer(8, storage=storage)
     buf.add_batch(rows(0, 6))
     assert ids_of(buf.sample_by_index([4, 0, 4])) == [4, 0, 4]
@@ -258,6 +258,8 @@ def test_sample_by_index_accepts_list_range_tensor_and_array(make_buffer, storag
     assert ids_of(buf.sample_by_index(torch.tensor([5, 2]))) == [5, 2]
     assert ids_of(buf.sample_by_index(torch.tensor([3], dtype=torch.int32))) == [3]
     assert ids_of(buf.sample_by_index(np.array([1, 2]))) == [1, 2]
+    assert ids_of(buf.sample_by_index(np.arange(4)[::-1])) == [3, 2, 1, 0]  # a reversed view
+    assert ids_of(buf.sample_by_index((5, 1))) == [5, 1]
 
 
 def test_sample_by_index_of_no_indices_returns_an_empty_batch(make_buffer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from replay_helpers import ids_of, rows, unchanged
@@ -211,8 +212,18 @@ def test_index_past_the_stored_count_but_below_capacity_raises_index_error(make_
         (torch.tensor([True]), "indices must hold integers, got dtype torch.bool"),
         ("01", "indices must be a list, range, array or tensor of ints"),
         (3, "indices must be a list, range, array or tensor of ints, got 3"),
+        (np.array([1.0]), "indices must hold integers, got dtype float64"),
+        (np.array(["1"]), "indices must hold integers, got dtype <U1"),
     ],
-    ids=["float list", "float tensor", "bool tensor", "string", "bare int"],
+    ids=[
+        "float list",
+        "float tensor",
+        "bool tensor",
+        "string",
+        "bare int",
+        "float array",
+        "str array",
+    ],
 )
 def test_indices_that_are_not_integers_raise_type_error(filled, indices, message):
     with unchanged(filled), pytest.raises(TypeError, match=message):
