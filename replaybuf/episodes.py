@@ -32,7 +32,7 @@ from replaybuf.schema import FieldSpec, to_tensordict
 from replaybuf.storage import SlotStorage
 
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
-# Keys sampling returns; an extras field must not shadow one of them.
+# Keys sampling and get_episode return; an extras field must not shadow one of them.
 RETURNED_KEYS = frozenset(
     {
         "observation",
@@ -50,6 +50,8 @@ RETURNED_KEYS = frozenset(
         "mask",
         "index",
         "weight",
+        "terminated",
+        "length",
     }
 )
 _FLUSH_ROWS = 512  # staged rows written in one storage call

@@ -438,7 +438,9 @@ def test_extras_round_trip_through_every_reader(make):
     assert_sequence_batch(buf.sample_sequences(8, 3, strict=False), ref, 3)
 
 
-@pytest.mark.parametrize("name", ["reward", "next_observation", "terminal", "mask", "episode_id"])
+@pytest.mark.parametrize(
+    "name", ["reward", "next_observation", "terminal", "mask", "episode_id", "length", "terminated"]
+)
 def test_extras_name_colliding_with_a_returned_key_raises(make, name):
     buf = make(8)
     e = buf.start_episode()
