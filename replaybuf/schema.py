@@ -183,8 +183,8 @@ def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Ke
         if not isinstance(name, str):
             raise TypeError(f"{what}: field names must be str, got {name!r}")
         key = (*prefix, name)
-        if isinstance(value, Mapping):
-            if not value:
+        if isinstance(value, Mapping):  # a dict or a TensorDict (whose bool() raises)
+            if len(value.keys()) == 0:
                 raise SchemaError(f"{what}: field {key_name(key)!r} is an empty dict")
             yield from _flatten_mapping(value, key, what)
         else:

@@ -88,6 +88,14 @@ def test_nested_keys_are_stored_and_returned_nested(make_buffer, storage):
     assert ("a", "b", "c") in buf.spec
 
 
+def test_a_dict_may_hold_nested_tensordicts(make_buffer, storage):
+    buf = make_buffer(4, storage=storage)
+    buf.add({"obs": torch.zeros(3), "next": TensorDict({"obs": torch.ones(3)}, batch_size=[])})
+    buf.add_batch({"obs": torch.zeros(2, 3), "next": TensorDict({"obs": torch.ones(2, 3)}, [2])})
+    assert len(buf) == 3
+    assert torch.equal(buf.sample_all()["next", "obs"], torch.ones(3, 3))
+
+
 def test_add_batch_of_zero_rows_changes_nothing(make_buffer, storage):
     buf = make_buffer(4, storage=storage)
     buf.add_batch(rows(0, 0))

@@ -95,6 +95,10 @@ ROW_CASES = {
     "reserved name": (_with(_row(), index=torch.tensor(0)), r"'index' is reserved"),
     "meta tensor": (_with(_row(), obs=torch.zeros(4, device="meta")), r"'obs' is a meta"),
     "empty nested dict": (_with(_row(), next={}), r"'next' is an empty dict"),
+    "empty nested tensordict": (
+        _with(_row(), next=TensorDict({}, batch_size=[])),
+        r"'next' is an empty dict",
+    ),
     "no fields": ({}, r"expected at least one field, got none"),
 }
 
