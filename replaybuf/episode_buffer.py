@@ -38,12 +38,14 @@ KIND = "EpisodeReplayBuffer"
 def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
     """Rows reserved for final observations beside the ``max_steps`` step rows.
 
-    One per stored episode; without ``max_episodes`` we reserve max_steps/16 (at least 16), so
-    episodes shorter than 16 steps on average can be evicted before ``max_steps`` is reached.
+    One per stored episode that has steps, so never more than ``max_steps`` (a huge
+    ``max_episodes`` must not allocate rows that can never be used); without ``max_episodes`` we
+    reserve max_steps/16 (at least 16), so episodes shorter than 16 steps on average can be
+    evicted before ``max_steps`` is reached.
     """
     if max_episodes is not None:
-        return max_episodes
-    return max(16, math.ceil(max_steps / 16))
+        return min(max_episodes, max_steps)
+    return min(max(16, math.ceil(max_steps / 16)), max_steps)
 
 
 def check_n(n: Any) -> NArg:

@@ -248,6 +248,18 @@ def test_many_short_episodes_are_evicted_by_the_row_budget_before_max_steps(make
     program.sample_all(2, 0.9)
 
 
+def test_final_observation_rows_never_outnumber_max_steps(make):
+    buf = make(8, 10**9, storage="tensor")
+    assert buf.stats()["rows"] == 16  # at most one final row per stored step
+    program = Program(buf)
+    for _ in range(12):
+        program.append(0, 1)
+        program.end(0, "terminated")
+        program.check()
+    assert buf.stats()["episodes"] == 8
+    program.sample_all(3, 0.5)
+
+
 def test_eviction_takes_oldest_finished_first_then_oldest_in_progress(make):
     buf = make(6)
     a, b, c = (buf.start_episode() for _ in range(3))
