@@ -345,6 +345,19 @@ def test_n_step_sampling_is_uniform_over_valid_steps(make):
     assert chisquare(observed).pvalue > 0.001
 
 
+def test_a_low_high_n_draws_each_n_uniformly_per_sample(make):
+    buf = make(200, storage="tensor", seed=3)
+    ref = _interleaved(buf, [(150, "terminated")])
+    counts = Counter()
+    for _ in range(10):
+        batch = buf.sample_n_step(512, n=(2, 5), gamma=0.9)
+        assert_nstep_batch(batch[:32], ref, (2, 5), 0.9)
+        far = batch["start_step"] < 140  # windows that cannot reach the end: actual_n == n
+        counts.update(batch["actual_n"][far].tolist())
+    assert set(counts) == {2, 3, 4, 5}
+    assert chisquare([counts[k] for k in (2, 3, 4, 5)]).pvalue > 0.001
+
+
 def test_strict_sequence_starts_are_uniform_over_starts_that_fit(make):
     buf = make(200, storage="tensor", seed=99)
     ref = _interleaved(buf, [(4, "terminated"), (9, None), (15, "truncated"), (2, None)])
@@ -412,6 +425,24 @@ def test_numpy_python_and_nested_dict_inputs_round_trip(make):
         assert float(batch["reward"][i]) == pytest.approx(sum(0.5**k * (t + k) for k in range(m)))
         assert bool(batch["truncated"][i]) == (t + m == 3)
         assert not bool(batch["terminal"][i])
+
+
+def test_grad_requiring_expanded_and_strided_inputs_are_stored_detached(make):
+    buf = make(8)
+    e = buf.start_episode()
+    base = torch.arange(3.0, requires_grad=True)
+    for t in range(2):
+        observation = (base * (t + 1))[None].expand(2, 3)  # non-leaf, expanded
+        buf.append_observation_action_reward(
+            e, observation, torch.arange(4)[::2], torch.tensor(1.0, requires_grad=True)
+        )
+    buf.end_episode(e, "truncated", final_observation=torch.ones(3, 2).t())
+    record = buf.get_episode(e)
+    assert not record["observation"].requires_grad
+    assert record["observation"][:, 0].tolist() == [[0, 1, 2], [0, 2, 4], [1, 1, 1]]
+    assert record["action"].tolist() == [[0, 2], [0, 2]]
+    batch = buf.sample_n_step(2, n=1, replace=False)
+    assert not batch["reward"].requires_grad
 
 
 def test_integer_rewards_give_float_discounted_returns(make):
