@@ -127,6 +127,9 @@ class EpisodeCore:
         self._staged_meta: list[tuple[int, int, int, int]] = []  # row, episode, step, end_kind
         self._staged_links: list[tuple[int, int]] = []  # row -> next row
         self._filler: TensorDict | None = None
+        # Observation fields fixed by a zero-step episode's final observation, before any step
+        # fixed the whole spec: the first step's observation must match them.
+        self._first_obs_spec: FieldSpec | None = None
 
     # ----------------------------------------------------------------- lookup
     def live(self, episode_id: Any, action: str) -> Episode:
@@ -169,6 +172,8 @@ class EpisodeCore:
         row = to_tensordict(data, batched=batched, what=what, spec=self.slots.spec)
         if self.slots.spec is not None:
             self.slots.spec.check(row, 1 if batched else 0, what)
+        elif self._first_obs_spec is not None:
+            self._first_obs_spec.check(row.select("observation"), 1 if batched else 0, what)
         return row
 
     def final_row_data(self, final_observation: Any, what: str) -> TensorDict:
@@ -178,6 +183,8 @@ class EpisodeCore:
         )
         spec = self.slots.spec
         if spec is None:
+            if self._first_obs_spec is not None:
+                self._first_obs_spec.check(obs, 0, what)
             return obs
         obs_spec = FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"})
         obs_spec.check(obs, 0, what)
@@ -298,6 +305,8 @@ class EpisodeCore:
             self._stage([row], final.unsqueeze(0))
         else:
             episode.final_observation = final.clone()  # the caller may reuse its arrays
+            if self.slots.spec is None and self._first_obs_spec is None:
+                self._first_obs_spec = FieldSpec.of(final, 0)
         episode.end_kind = end_kind
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
 

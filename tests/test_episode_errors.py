@@ -276,3 +276,18 @@ def test_closed_buffer_refuses_everything(populated):
     ):
         with pytest.raises(RuntimeError, match="the buffer is closed"):
             call()
+
+
+def test_a_zero_step_final_observation_fixes_the_observation_fields(tmp_path):
+    with SyncEpisodeReplayBuffer(8, scratch_dir=tmp_path) as buf:
+        empty, other, running = (buf.start_episode() for _ in range(3))
+        buf.end_episode(empty, final_observation={"a": torch.zeros(5)})
+        before = buf.stats()
+        with pytest.raises(SchemaError, match="keys differ from the stored spec"):
+            buf.end_episode(other, final_observation=torch.zeros(5))
+        with pytest.raises(SchemaError, match=r"field 'observation\.a' expected shape \[5\]"):
+            buf.append_observation_action_reward(running, {"a": torch.zeros(2)}, 0, 0.0)
+        assert buf.stats() == before
+        assert buf.spec is None
+        buf.append_observation_action_reward(running, {"a": torch.ones(5)}, 0, 0.0)
+        assert buf.get_episode(empty)["observation", "a"].shape == (1, 5)
