@@ -71,10 +71,11 @@ class FieldSpec(Mapping[Key, Field]):
         return sum(f.row_bytes for f in self._fields.values())
 
     @classmethod
-    def of(cls, td: TensorDictBase, batch_dims: int) -> FieldSpec:
-        """The spec of ``td``'s leaves, dropping its first ``batch_dims`` dimensions."""
+    def of(cls, td: TensorDictBase | Mapping[Key, torch.Tensor], batch_dims: int) -> FieldSpec:
+        """The spec of ``td``'s leaves (or flat leaves), dropping ``batch_dims`` dimensions."""
         fields = {}
-        for key, value in _leaves(td):
+        items = _leaves(td) if isinstance(td, TensorDictBase) else td.items()
+        for key, value in items:
             fields[key] = Field(tuple(value.shape[batch_dims:]), value.dtype)
         return cls(fields)
 
@@ -109,9 +110,11 @@ class FieldSpec(Mapping[Key, Field]):
             td.set(key, torch.zeros((rows, *f.shape), dtype=f.dtype, device=device))
         return td
 
-    def check(self, td: TensorDictBase, batch_dims: int, what: str) -> None:
-        """Raise :class:`SchemaError` unless ``td`` matches the spec exactly."""
-        got = dict(_leaves(td))
+    def check(
+        self, td: TensorDictBase | Mapping[Key, torch.Tensor], batch_dims: int, what: str
+    ) -> None:
+        """Raise :class:`SchemaError` unless ``td`` (or flat leaves by key) matches exactly."""
+        got = dict(_leaves(td)) if isinstance(td, TensorDictBase) else td
         missing = [key_name(k) for k in self._fields if k not in got]
         extra = [key_name(k) for k in got if k not in self._fields]
         if missing or extra:
@@ -143,19 +146,19 @@ def _leaves(td: TensorDictBase) -> Iterator[tuple[Key, torch.Tensor]]:
         yield (key,) if isinstance(key, str) else tuple(key), value
 
 
-def to_tensordict(
+def to_leaves(
     data: Any,
     *,
     batched: bool,
     what: str,
     spec: FieldSpec | None = None,
-) -> TensorDict:
-    """Convert one row (``batched=False``) or a batch of rows into a detached CPU-or-device TD.
+) -> dict[Key, torch.Tensor]:
+    """Convert one row (``batched=False``) or a batch of rows into detached tensors by key.
 
     Accepts a TensorDict or a (nested) mapping of tensors, numpy arrays and Python numbers.
-    Python numbers take the spec's dtype when the cast is lossless. The result's batch size is
-    ``[]`` for one row and ``[rows]`` for a batch; rows are checked to agree across fields.
-    Raises ``TypeError`` for unsupported values and :class:`SchemaError` for structural errors.
+    Python numbers take the spec's dtype when the cast is lossless. For a batch, rows are checked
+    to agree across fields. Raises ``TypeError`` for unsupported values and
+    :class:`SchemaError` for structural errors. The tensors may share memory with ``data``.
     """
     if isinstance(data, TensorDictBase):
         items = list(_leaves(data))
@@ -171,6 +174,20 @@ def to_tensordict(
             raise SchemaError(f"{what}: field name {key[0]!r} is reserved by replaybuf")
         field = spec.get(key) if spec is not None else None
         leaves[key] = _to_tensor(value, key, field, batched, what)
+    if batched:
+        _common_rows(leaves, what)
+    return leaves
+
+
+def to_tensordict(
+    data: Any,
+    *,
+    batched: bool,
+    what: str,
+    spec: FieldSpec | None = None,
+) -> TensorDict:
+    """:func:`to_leaves` as a TensorDict of batch size ``[]`` (one row) or ``[rows]``."""
+    leaves = to_leaves(data, batched=batched, what=what, spec=spec)
     rows = _common_rows(leaves, what) if batched else None
     td = TensorDict({}, batch_size=[rows] if batched else [])
     for key, value in leaves.items():

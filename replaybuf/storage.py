@@ -269,14 +269,29 @@ class SlotStorage:
 def build_tensordict(
     keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device
 ) -> TensorDict:
-    """A (nested) TensorDict from flat keys, without per-leaf validation (shapes are ours)."""
+    """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device``."""
     nested: dict = {}
     for key, value in zip(keys, values, strict=True):
         node = nested
         for part in key[:-1]:
             node = node.setdefault(part, {})
         node[key[-1]] = value
-    return TensorDict(nested, batch_size=[rows], device=device)
+    return _assemble(nested, torch.Size([rows]), device)
+
+
+def _assemble(tree: dict, batch_size: torch.Size, device: torch.device) -> TensorDict:
+    # The public constructor re-validates every leaf (~9 µs for 4 keys); our shapes and devices
+    # are known to be right, so the unchecked constructor (~2 µs) is used where tensordict has it.
+    source = {
+        name: _assemble(value, batch_size, device) if isinstance(value, dict) else value
+        for name, value in tree.items()
+    }
+    if _NEW_UNSAFE is not None:
+        return _NEW_UNSAFE(source, batch_size=batch_size, device=device)
+    return TensorDict(source, batch_size=batch_size, device=device)
+
+
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
 
 
 class _PinnedStager:
