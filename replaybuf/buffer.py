@@ -377,6 +377,8 @@ class ReplayBuffer:
             if spec is not None and spec != self.spec:
                 raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
             return document
+        if spec is not None:
+            self._slots.check_space(buffer_size, spec)  # before anything changes
         if buffer_size != self.buffer_size or self.spec is not None:
             self._slots.reset(buffer_size)
         if spec is not None:

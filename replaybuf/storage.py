@@ -171,14 +171,18 @@ class SlotStorage:
     # ----------------------------------------------------------------- writes
     def prepare(self, spec: FieldSpec) -> None:
         """Fix the spec and check the space before the first write allocates anything."""
+        self.check_space(self.capacity, spec)
+        self.spec = spec
+
+    def check_space(self, capacity: int, spec: FieldSpec) -> None:
+        """Raise :class:`InsufficientSpaceError` unless ``capacity`` rows of ``spec`` fit."""
         folder = self.scratch_path or Path(tempfile.gettempdir())
-        needed = self.capacity * spec.row_bytes
+        needed = capacity * spec.row_bytes
         free = free_bytes(self.kind, self.storing_device, folder)
         if needed > free:
             raise InsufficientSpaceError(
                 _where(self.kind, self.storing_device, folder), needed, free
             )
-        self.spec = spec
 
     def extend(self, td: TensorDictBase) -> None:
         """Append rows round-robin through TorchRL's writer (ring semantics)."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from replay_helpers import ids_of, rows, unchanged
 
-from replaybuf import MetadataError, ReplayBuffer, SchemaError
+from replaybuf import InsufficientSpaceError, MetadataError, ReplayBuffer, SchemaError
 
 
 def _metadata_file(path):
@@ -152,3 +153,19 @@ def test_loading_never_takes_rows_it_does_not_hold(tmp_path):
         assert len(target) == 0
         with unchanged(target), pytest.raises(ValueError, match="empty"):
             target.sample_batch(1)
+
+
+def test_load_that_cannot_fit_leaves_an_empty_buffer_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import replaybuf.storage
+
+    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as source:
+        source.add({"obs": torch.zeros(3)})
+        source.save(tmp_path / "meta")
+    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as target:
+        monkeypatch.setattr(replaybuf.storage, "free_bytes", lambda *args: 1)
+        with pytest.raises(InsufficientSpaceError, match="needs 96 bytes, 1 are free"):
+            target.load(tmp_path / "meta")
+        assert target.buffer_size == 4
+        assert target.spec is None
