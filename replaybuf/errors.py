@@ -41,3 +41,38 @@ class InsufficientSpaceError(ReplayBufError, MemoryError):
         super().__init__(
             f"not enough space on {where}: the buffer needs {needed:,} bytes, {free:,} are free"
         )
+
+
+class CheckpointError(ReplayBufError, RuntimeError):
+    """A checkpoint that cannot be written or read; the subclasses say why."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint in a directory: nothing saved there yet, or an interrupted save."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file that is missing, truncated, altered or malformed; the message names it."""
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """A checkpoint entry that points outside the checkpoint or through a symlink; never opened."""
+
+
+class CheckpointKindError(CheckpointError, ValueError):
+    """A checkpoint of another buffer kind than the one asked for; the message names both."""
+
+
+class UnsupportedVersionError(CheckpointError, ValueError):
+    """A checkpoint whose ``format_version`` this replaybuf cannot read."""
+
+    def __init__(
+        self, version: object, supported: int | None = None, where: str = "checkpoint"
+    ) -> None:
+        self.version = version
+        self.supported = supported
+        expected = f"expected {supported}, " if supported is not None else ""
+        super().__init__(
+            f"{where}: format_version {expected}got {version!r}"
+            " (written by another replaybuf version?)"
+        )
