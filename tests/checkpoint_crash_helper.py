@@ -43,8 +43,9 @@ def make_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def _serve() -> None:
     from replaybuf import checkpoint
+    from replaybuf.checkpoint import streams
 
-    checkpoint.CHUNK_BYTES = CHUNK_BYTES
+    streams.CHUNK_BYTES = CHUNK_BYTES
     data = {seed: make_tensors(seed) for seed in (1, 2)}
 
     def save(directory: str, seed: int) -> None:

@@ -20,7 +20,6 @@ import torch
 from checkpoint_crash_helper import KIND, make_tensors
 from tensordict import MemoryMappedTensor
 
-from replaybuf import checkpoint as ckpt_module
 from replaybuf.checkpoint import (
     CRASH_ENV,
     describe_checkpoint,
@@ -29,6 +28,8 @@ from replaybuf.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
+from replaybuf.checkpoint import streams as ckpt_streams
+from replaybuf.checkpoint import writer as ckpt_writer
 from replaybuf.errors import (
     CheckpointError,
     CheckpointKindError,
@@ -131,7 +132,7 @@ def test_round_trip_keeps_every_dtype_shape_and_layout(tmp_path):
 
 
 def test_load_into_streams_into_preallocated_tensors(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt_module, "CHUNK_BYTES", 64)  # rows and tensors split into many chunks
+    monkeypatch.setattr(ckpt_streams, "CHUNK_BYTES", 64)  # rows and tensors split into many chunks
     tensors = {
         "big_rows": torch.randn(5, 40),
         "long": torch.arange(1000),
@@ -160,7 +161,7 @@ def test_load_into_streams_into_preallocated_tensors(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_round_trip_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt_module, "CHUNK_BYTES", 1 << 10)
+    monkeypatch.setattr(ckpt_streams, "CHUNK_BYTES", 1 << 10)
     tensor = torch.randn(300, 7, device="cuda")
     directory = write_checkpoint(tmp_path / "ckpt", KIND, {}, {"x": tensor, "t": tensor.t()})
     with read_checkpoint(directory) as checkpoint:
@@ -226,7 +227,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(
 
 def test_failed_write_keeps_the_previous_checkpoint(saved, monkeypatch):
     before = snapshot(saved)
-    real = ckpt_module._write_tensor
+    real = ckpt_writer._write_tensor
     calls = []
 
     def failing(path, tensor, durable):
@@ -235,7 +236,7 @@ def test_failed_write_keeps_the_previous_checkpoint(saved, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, tensor, durable)
 
-    monkeypatch.setattr(ckpt_module, "_write_tensor", failing)
+    monkeypatch.setattr(ckpt_writer, "_write_tensor", failing)
     with pytest.raises(
         CheckpointError, match=r"ckpt': writing data/action\.bin failed: .*No space left"
     ):
