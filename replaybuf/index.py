@@ -43,31 +43,32 @@ def nstep_windows(
     n: torch.Tensor | int,
     n_max: int,
     next_row: torch.Tensor,
-    anchor_pos: torch.Tensor,
     end_kind: torch.Tensor,
 ) -> Windows:
     """Follow links from each anchor in ``start`` for up to ``n`` steps (per sample if a tensor).
 
-    ``next_row`` / ``anchor_pos`` / ``end_kind`` are per-row ``[R]`` tensors on one device (a row
-    is an anchor where ``anchor_pos >= 0``); the cost is O(B · n_max) gathers, independent of how
-    many rows or episodes are stored.
+    ``next_row`` / ``end_kind`` are per-row ``[R]`` tensors on one device. A row is an anchor
+    exactly when it has a successor (``next_row >= 0``), so each step costs one gather: the
+    whole call is O(B · n_max), independent of how many rows or episodes are stored.
     """
-    batch = start.shape[0]
-    n = torch.as_tensor(n, device=start.device).expand(batch)
-    rows = torch.empty((batch, n_max), dtype=torch.long, device=start.device)
-    valid = torch.empty((batch, n_max), dtype=torch.bool, device=start.device)
+    per_sample = isinstance(n, torch.Tensor)
     cur = start  # row of obs_{t+k} while the window is still growing
-    active = torch.ones(batch, dtype=torch.bool, device=start.device)
+    active = torch.ones_like(start, dtype=torch.bool)
+    held, taken = [start], [active]
     for k in range(n_max):
-        # Step t+k belongs to the window when t+k-1 did, k < n, and obs_{t+k} has a successor.
-        active = active & (k < n)
+        nxt = next_row.index_select(0, cur)
         if k > 0:
-            active = active & (anchor_pos[cur] >= 0)
-        rows[:, k] = torch.where(active, cur, start)
-        valid[:, k] = active
-        cur = torch.where(active, next_row[cur], cur)
+            # Step t+k belongs to the window when t+k-1 did, k < n, and obs_{t+k} has a successor.
+            active = active & (nxt >= 0)
+            if per_sample:
+                active = active & (k < n)
+            held.append(cur)
+            taken.append(active)
+        cur = torch.where(active, nxt, cur)
+    valid = torch.stack(taken, 1)  # [B, n_max]
+    rows = torch.where(valid, torch.stack(held, 1), start.unsqueeze(1))  # [B, n_max]
     m = valid.sum(1)
-    kind = end_kind[cur]
+    kind = end_kind.index_select(0, cur)
     return Windows(
         rows=rows,
         valid=valid,
@@ -80,10 +81,7 @@ def nstep_windows(
 
 
 def sequence_rows(
-    start: torch.Tensor,
-    length: int,
-    next_row: torch.Tensor,
-    anchor_pos: torch.Tensor,
+    start: torch.Tensor, length: int, next_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``length`` consecutive steps from each anchor, and of their observations.
 
@@ -97,17 +95,18 @@ def sequence_rows(
     active = torch.ones(batch, dtype=torch.bool, device=start.device)
     for k in range(length):
         obs_rows[:, k] = cur
+        nxt = next_row.index_select(0, cur)
         if k > 0:
-            active = active & (anchor_pos[cur] >= 0)
+            active = active & (nxt >= 0)
         mask[:, k] = active
-        cur = torch.where(active, next_row[cur], cur)
+        cur = torch.where(active, nxt, cur)
     obs_rows[:, length] = cur
     return obs_rows, mask
 
 
 def full_sequence_starts(
-    anchors: torch.Tensor, length: int, next_row: torch.Tensor, anchor_pos: torch.Tensor
+    anchors: torch.Tensor, length: int, next_row: torch.Tensor
 ) -> torch.Tensor:
     """The anchors from which ``length`` consecutive steps all exist (bool ``[len(anchors)]``)."""
-    _, mask = sequence_rows(anchors, length, next_row, anchor_pos)
+    _, mask = sequence_rows(anchors, length, next_row)
     return mask.all(1)

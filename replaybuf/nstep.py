@@ -38,6 +38,22 @@ def return_dtype(reward_dtype: torch.dtype) -> torch.dtype:
     return reward_dtype if reward_dtype.is_floating_point else torch.get_default_dtype()
 
 
+def discount_powers(gamma: float, n: int, device: torch.device) -> torch.Tensor:
+    """``[γ^0, γ^1, ..., γ^n]`` (float64, computed once, stored float32) on ``device``, cached."""
+    key = (float(gamma), int(n), str(device))
+    powers = _POWERS.get(key)
+    if powers is None:
+        if len(_POWERS) > 64:
+            _POWERS.clear()
+        exact = gamma ** torch.arange(n + 1, dtype=torch.float64)
+        powers = exact.to(device=device, dtype=torch.float32)
+        _POWERS[key] = powers
+    return powers
+
+
+_POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
+
+
 def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
     """Discounted sum over the valid prefix of each window.
 
@@ -47,19 +63,31 @@ def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> t
         gamma: the discount.
 
     Returns:
-        ``[B, *reward_shape]`` in the rewards' floating dtype (see :func:`return_dtype`),
-        accumulated in float64.
+        ``[B, *reward_shape]`` in the rewards' floating dtype (see :func:`return_dtype`).
+        Float64 rewards are summed in float64; others in float32 (n terms, so the rounding
+        stays within float32's own precision).
     """
     n = rewards.shape[1]
-    powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)  # [n]
-    weights = valid.to(torch.float64) * powers  # [B, n]
-    weights = weights.reshape(*weights.shape, *([1] * (rewards.dim() - 2)))
-    # Masked rows may hold anything (even NaN from unused storage): select, never multiply.
-    terms = torch.where(weights != 0, rewards.to(torch.float64) * weights, 0.0)
-    return terms.sum(1).to(return_dtype(rewards.dtype))
+    dtype = return_dtype(rewards.dtype)
+    powers = discount_powers(gamma, n, rewards.device)[:n]  # [n]
+    if dtype == torch.float64:
+        powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)
+    extra = [1] * (rewards.dim() - 2)
+    keep = valid.reshape(*valid.shape, *extra)  # [B, n, 1...]
+    # Rows outside the window may hold anything (even NaN): select, never multiply by 0.
+    terms = torch.where(keep, rewards.to(dtype) * powers.to(dtype).reshape(n, *extra), 0.0)
+    return terms.sum(1)
 
 
-def bootstrap_discount(m: torch.Tensor, terminal: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``γ^m`` per window, 0 where the window ends on a terminated episode's final observation."""
-    discount = torch.pow(torch.tensor(gamma, dtype=torch.float64, device=m.device), m)
-    return torch.where(terminal, 0.0, discount).to(torch.float32)
+def bootstrap_discount(
+    m: torch.Tensor, terminal: torch.Tensor, gamma: float, n_max: int | None = None
+) -> torch.Tensor:
+    """``γ^m`` per window (float32), 0 where it ends on a terminated episode's final observation.
+
+    γ^m is read from a cached table of powers (one gather, no pow). Pass ``n_max >= m.max()``
+    when known, to avoid reading ``m`` back (a device synchronisation on CUDA).
+    """
+    top = int(m.max()) if n_max is None and m.numel() else (n_max or 0)
+    powers = discount_powers(gamma, top, m.device)
+    discount = powers.index_select(0, m.reshape(-1)).reshape(m.shape)
+    return torch.where(terminal, 0.0, discount)

@@ -22,6 +22,7 @@ from replaybuf.index import (
 from replaybuf.index import full_sequence_starts as qualifies
 from replaybuf.nstep import bootstrap_discount, window_return
 from replaybuf.schema import Key
+from replaybuf.storage import build_tensordict
 
 NArg = int | tuple[int, int]
 
@@ -48,43 +49,49 @@ def nstep_batch(
     device: torch.device,
     generator: torch.Generator,
 ) -> TensorDict:
-    """n-step transitions from anchor rows ``start`` (see :mod:`replaybuf.nstep` for the math)."""
-    links = core.links
+    """n-step transitions from anchor rows ``start`` (see :mod:`replaybuf.nstep` for the math).
+
+    One gather per field (observations at both window ends together), one TensorDict built.
+    """
+    links, slots = core.links, core.slots
     batch = start.shape[0]
     if isinstance(n, tuple):
         low, high = n
-        n_each = torch.randint(
+        n_each: torch.Tensor | int = torch.randint(
             low, high + 1, (batch,), generator=generator, device=start.device
         )  # [B], RLlib's random n-step
         n_max = high
     else:
-        n_each, n_max = torch.tensor(n, device=start.device), n
-    w = nstep_windows(start, n_each, n_max, links.next_row, core.anchors.pos, links.end_kind)
-    obs = core.slots.gather(torch.cat([start, w.last_row]), device, _keys(core, "observation"))
-    rest = core.slots.gather(start, device, _keys(core, "action", "extras"))
-    reward_column = core.slots.column(("reward",))
+        n_each = n_max = n
+    w = nstep_windows(start, n_each, n_max, links.next_row, links.end_kind)
+    keys: list[Key] = []
+    values: list[torch.Tensor] = []
+    obs_keys = _keys(core, "observation")
+    for key, both in zip(
+        obs_keys, slots.take(torch.cat([start, w.last_row]), obs_keys), strict=True
+    ):
+        keys += [key, ("next_observation", *key[1:])]
+        values += [both[:batch], both[batch:]]
+    step_keys = _keys(core, "action", "extras")
+    for key, value in zip(step_keys, slots.take(start, step_keys), strict=True):
+        keys.append(key[1:] if key[0] == "extras" else key)  # extras come back top-level
+        values.append(value)
+    reward_column = slots.column(("reward",))
     rewards = reward_column.index_select(0, w.rows.reshape(-1))
     rewards = rewards.reshape(batch, n_max, *reward_column.shape[1:])  # [B, n, *reward]
-    observation = obs.get("observation")
-    out = TensorDict(
-        {
-            "observation": observation[:batch],
-            "action": rest.get("action"),
-            "reward": window_return(rewards, w.valid, gamma).to(device),
-            "next_observation": observation[batch:],
-            "terminal": w.terminal.to(device),
-            "truncated": w.truncated.to(device),
-            "cut": w.cut.to(device),
-            "next_discount": bootstrap_discount(w.m, w.terminal, gamma).to(device),
-            "actual_n": w.m.to(device),
-            "start_step": links.step[start].to(device),
-            "episode_id": links.episode[start].to(device),
-        },
-        batch_size=[batch],
-        device=device,
-    )
-    _put_extras(out, rest)
-    return out
+    keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
+    values += [
+        window_return(rewards, w.valid, gamma),
+        w.terminal,
+        w.truncated,
+        w.cut,
+        bootstrap_discount(w.m, w.terminal, gamma, n_max),
+    ]
+    keys += [("actual_n",), ("start_step",), ("episode_id",)]
+    values += [w.m, links.step.index_select(0, start), links.episode.index_select(0, start)]
+    if device != start.device:
+        values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
+    return build_tensordict(keys, values, batch, device)
 
 
 def sequence_batch(
@@ -96,7 +103,7 @@ def sequence_batch(
     """
     links = core.links
     batch = start.shape[0]
-    obs_rows, mask = sequence_rows(start, length, links.next_row, core.anchors.pos)
+    obs_rows, mask = sequence_rows(start, length, links.next_row)
     step_rows = obs_rows[:, :length]
     obs = core.slots.gather(obs_rows.reshape(-1), device, _keys(core, "observation"))
     obs = obs.reshape(batch, length + 1)
@@ -184,13 +191,13 @@ def sample_sequence_starts(
     need = batch_size
     for _ in range(4):
         candidates = anchors.sample(max(2 * need, 64), generator)
-        ok = candidates[qualifies(candidates, length, links.next_row, anchors.pos)]
+        ok = candidates[qualifies(candidates, length, links.next_row)]
         found.append(ok[:need])
         need -= int(found[-1].shape[0])
         if need <= 0:
             return torch.cat(found)
     every = anchors.snapshot()
-    eligible = every[qualifies(every, length, links.next_row, anchors.pos)]
+    eligible = every[qualifies(every, length, links.next_row)]
     if eligible.shape[0] == 0:
         raise EmptyBufferError(
             f"cannot sample sequences: no stored episode has {length} consecutive steps "

@@ -252,6 +252,11 @@ class SlotStorage:
                 values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
         return build_tensordict([k for k, _ in leaves], values, rows, device)
 
+    def take(self, slots: torch.Tensor, keys: list[Key]) -> list[torch.Tensor]:
+        """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
+        columns = dict(self._leaves)
+        return [torch.index_select(columns[key], 0, slots) for key in keys]
+
     def column(self, key: Key) -> torch.Tensor:
         """The whole stored column of one field (a view; the caller must not write into it)."""
         for k, t in self._leaves:

@@ -30,27 +30,23 @@ def link(episodes: list[tuple[list[int], int]], rows: int):
     its newest observation. Anchors are every row with a successor.
     """
     next_row = torch.full((rows,), -1, dtype=torch.long)
-    anchor_pos = torch.full((rows,), -1, dtype=torch.long)
     end_kind = torch.zeros(rows, dtype=torch.int8)
-    place = 0
     for ep_rows, kind in episodes:
         for a, b in itertools.pairwise(ep_rows):
             next_row[a] = b
-            anchor_pos[a] = place
-            place += 1
         if kind != END_NONE:
             end_kind[ep_rows[-1]] = kind
-    return next_row, anchor_pos, end_kind
+    return next_row, end_kind
 
 
 def windows(episodes, rows, start, n, n_max=None):
-    next_row, anchor_pos, end_kind = link(episodes, rows)
+    next_row, end_kind = link(episodes, rows)
     start = torch.tensor(start, dtype=torch.long)
     if n_max is None:
         n_max = n if isinstance(n, int) else max(n)
     if not isinstance(n, int):
         n = torch.tensor(n)
-    return nstep_windows(start, n, n_max, next_row, anchor_pos, end_kind)
+    return nstep_windows(start, n, n_max, next_row, end_kind)
 
 
 # --------------------------------------------------------------------------- table cases
@@ -123,17 +119,17 @@ def test_each_sample_uses_its_own_n():
 
 def test_sequence_rows_pad_past_episode_end_with_last_real_row():
     # terminated, 2 steps: rows 7 -> 3 -> 5 (final); length 4 from t=0
-    next_row, anchor_pos, _ = link([([7, 3, 5], END_TERMINATED)], 8)
-    obs_rows, mask = sequence_rows(torch.tensor([7, 3]), 4, next_row, anchor_pos)
+    next_row, _ = link([([7, 3, 5], END_TERMINATED)], 8)
+    obs_rows, mask = sequence_rows(torch.tensor([7, 3]), 4, next_row)
     assert obs_rows.tolist() == [[7, 3, 5, 5, 5], [3, 5, 5, 5, 5]]
     assert mask.tolist() == [[True, True, False, False], [True, False, False, False]]
-    full = full_sequence_starts(torch.tensor([7, 3]), 2, next_row, anchor_pos)
+    full = full_sequence_starts(torch.tensor([7, 3]), 2, next_row)
     assert full.tolist() == [True, False]
 
 
 def test_sequence_of_in_progress_episode_stops_before_newest_observation():
-    next_row, anchor_pos, _ = link([([0, 1, 2], END_NONE)], 3)
-    obs_rows, mask = sequence_rows(torch.tensor([0]), 3, next_row, anchor_pos)
+    next_row, _ = link([([0, 1, 2], END_NONE)], 3)
+    obs_rows, mask = sequence_rows(torch.tensor([0]), 3, next_row)
     assert mask.tolist() == [[True, True, False]]
     assert obs_rows.tolist() == [[0, 1, 2, 2]]
 
@@ -229,10 +225,10 @@ def test_sequence_rows_and_full_starts_match_the_loop_oracle(layout, data):
         return
     picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
     length = data.draw(st.integers(1, 8))
-    next_row, anchor_pos, _ = link(episodes, rows)
+    next_row, _ = link(episodes, rows)
     start = torch.tensor([episodes[e][0][t] for e, t in picks], dtype=torch.long)
-    obs_rows, mask = sequence_rows(start, length, next_row, anchor_pos)
-    full = full_sequence_starts(start, length, next_row, anchor_pos)
+    obs_rows, mask = sequence_rows(start, length, next_row)
+    full = full_sequence_starts(start, length, next_row)
     for i, (e, t) in enumerate(picks):
         want_rows, want_mask = oracle_sequence(episodes[e][0], t, length)
         assert obs_rows[i].tolist() == want_rows
