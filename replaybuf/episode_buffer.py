@@ -158,7 +158,7 @@ class SyncEpisodeReplayBuffer:
         what = "append_observation_action_reward"
         episode = self._core.in_progress(episode_id, "append to")
         row = self._core.step_row(observation, action, reward, extras, False, what)
-        self._core.append([episode], row.unsqueeze(0))
+        self._core.append([episode], row)
 
     def append_batch(
         self,
@@ -177,10 +177,10 @@ class SyncEpisodeReplayBuffer:
             raise ValueError(f"episode_ids must be distinct, got {ids}")
         episodes = [self._core.in_progress(i, "append to") for i in ids]
         rows = self._core.step_row(observations, actions, rewards, extras, True, "append_batch")
-        if rows.shape[0] != len(ids):
+        got = next(iter(rows.values())).shape[0]
+        if got != len(ids):
             raise ValueError(
-                f"append_batch: leading dimension expected {len(ids)} (len(episode_ids)), "
-                f"got {rows.shape[0]}"
+                f"append_batch: leading dimension expected {len(ids)} (len(episode_ids)), got {got}"
             )
         self._core.append(episodes, rows)
 

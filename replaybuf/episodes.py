@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 from replaybuf.anchors import AnchorSet
 from replaybuf.errors import EpisodeStateError, SchemaError
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
-from replaybuf.schema import FieldSpec, to_tensordict
-from replaybuf.storage import SlotStorage
+from replaybuf.schema import FieldSpec, Key, to_leaves
+from replaybuf.staging import RowStager
+from replaybuf.storage import SlotStorage, build_tensordict
 
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
 # Keys sampling and get_episode return; an extras field must not shadow one of them.
@@ -122,11 +123,10 @@ class EpisodeCore:
         self.steps = 0
         self.valid_steps = 0
         self.evicted = 0
-        self._staged_rows: list[list[int]] = []
-        self._staged_data: list[TensorDictBase] = []
+        self._stager: RowStager | None = None  # created once the spec is known
         self._staged_meta: list[tuple[int, int, int, int]] = []  # row, episode, step, end_kind
         self._staged_links: list[tuple[int, int]] = []  # row -> next row
-        self._filler: TensorDict | None = None
+        self._filler: dict[Key, torch.Tensor] | None = None  # action/reward/extras zeros
         # Observation fields fixed by a zero-step episode's final observation, before any step
         # fixed the whole spec: the first step's observation must match them.
         self._first_obs_spec: FieldSpec | None = None
@@ -157,8 +157,8 @@ class EpisodeCore:
     # ----------------------------------------------------------------- input checks
     def step_row(
         self, observation: Any, action: Any, reward: Any, extras: Any, batched: bool, what: str
-    ) -> TensorDict:
-        """The checked storage row(s) for appended steps (the first append fixes the spec)."""
+    ) -> dict[Key, torch.Tensor]:
+        """The checked rows (``[rows, ...]`` per key) of appended steps; see :meth:`append`."""
         data: dict[str, Any] = {"observation": observation, "action": action, "reward": reward}
         if extras is not None:
             if not isinstance(extras, dict):
@@ -169,16 +169,19 @@ class EpisodeCore:
                     f"{what}: extras names {clash} collide with keys sampling returns"
                 )
             data["extras"] = extras
-        row = to_tensordict(data, batched=batched, what=what, spec=self.slots.spec)
+        dims = 1 if batched else 0
+        row = to_leaves(data, batched=batched, what=what, spec=self.slots.spec)
         if self.slots.spec is not None:
-            self.slots.spec.check(row, 1 if batched else 0, what)
+            self.slots.spec.check(row, dims, what)
         elif self._first_obs_spec is not None:
-            self._first_obs_spec.check(row.select("observation"), 1 if batched else 0, what)
+            self._first_obs_spec.check(_observation(row), dims, what)
+        if not batched:
+            row = {key: value.unsqueeze(0) for key, value in row.items()}
         return row
 
-    def final_row_data(self, final_observation: Any, what: str) -> TensorDict:
+    def final_row_data(self, final_observation: Any, what: str) -> dict[Key, torch.Tensor]:
         """A final-observation row: the observation, with action/reward/extras zero-filled."""
-        obs = to_tensordict(
+        obs = to_leaves(
             {"observation": final_observation}, batched=False, what=what, spec=self.slots.spec
         )
         spec = self.slots.spec
@@ -186,13 +189,14 @@ class EpisodeCore:
             if self._first_obs_spec is not None:
                 self._first_obs_spec.check(obs, 0, what)
             return obs
-        obs_spec = FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"})
-        obs_spec.check(obs, 0, what)
+        FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"}).check(obs, 0, what)
         if self._filler is None:
-            self._filler = spec.zeros(1, self.slots.storing_device)[0]
-        row = self._filler.clone()
-        row.update(obs)
-        return row
+            self._filler = {
+                k: torch.zeros(f.shape, dtype=f.dtype)
+                for k, f in spec.items()
+                if k[0] != "observation"
+            }
+        return {**self._filler, **obs}
 
     # ----------------------------------------------------------------- eviction
     def make_room(self, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
@@ -278,8 +282,8 @@ class EpisodeCore:
         self.next_seq += 1
         return episode_id
 
-    def append(self, episodes: list[Episode], rows: TensorDict) -> None:
-        """Stage one step for each episode (``rows`` has one row per episode)."""
+    def append(self, episodes: list[Episode], rows: dict[Key, torch.Tensor]) -> None:
+        """Stage one step for each episode (``rows`` holds one row per episode)."""
         protected = {e.episode_id for e in episodes}
         self.make_room(len(episodes), len(episodes), 0, protected)
         if self.slots.spec is None:
@@ -294,7 +298,7 @@ class EpisodeCore:
         self.steps += len(episodes)
         self._stage(new_rows, rows)
 
-    def end(self, episode: Episode, end_kind: int, final: TensorDict) -> None:
+    def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
         """Record the end of an episode with its final observation row."""
         if episode.rows:
             self.make_room(0, 1, 0, {episode.episode_id})
@@ -302,9 +306,11 @@ class EpisodeCore:
             self._staged_meta.append((row, episode.episode_id, episode.steps, end_kind))
             self._link(episode.rows[-1], row)
             episode.final_row = row
-            self._stage([row], final.unsqueeze(0))
+            self._stage([row], {key: value.unsqueeze(0) for key, value in final.items()})
         else:
-            episode.final_observation = final.clone()  # the caller may reuse its arrays
+            # A copy: the caller may reuse its arrays.
+            copies = {key: value.clone() for key, value in final.items()}
+            episode.final_observation = TensorDict(_nest(copies), batch_size=[])
             if self.slots.spec is None and self._first_obs_spec is None:
                 self._first_obs_spec = FieldSpec.of(final, 0)
         episode.end_kind = end_kind
@@ -314,34 +320,40 @@ class EpisodeCore:
         self._staged_links.append((row, next_row))
         self.valid_steps += 1
 
-    def _stage(self, rows: list[int], data: TensorDictBase) -> None:
-        # Clone: callers (vectorized envs) often reuse their arrays for the next step.
-        self._staged_rows.append(rows)
-        self._staged_data.append(data.clone())
-        if sum(len(r) for r in self._staged_rows) >= _FLUSH_ROWS:
-            self.flush()
+    def _stage(self, rows: list[int], data: dict[Key, torch.Tensor]) -> None:
+        if self._stager is None:
+            self._stager = RowStager(self.slots.spec, _FLUSH_ROWS)
+        if not self._stager.fits(len(rows)):
+            self._write_staged()
+        if self._stager.fits(len(rows)):
+            self._stager.stage(rows, data)
+        else:  # more rows than a staging buffer holds: write them straight through
+            slots = torch.tensor(rows, dtype=torch.long)
+            self.slots.write(
+                slots,
+                build_tensordict(list(data), list(data.values()), len(rows), torch.device("cpu")),
+            )
+
+    def _write_staged(self) -> None:
+        if self._stager is not None and len(self._stager):
+            slots, data = self._stager.drain()
+            self.slots.write(slots, data)
 
     def flush(self) -> None:
         """Write staged rows to storage and apply staged bookkeeping on the storing device."""
-        if not self._staged_meta and not self._staged_rows:
+        self._write_staged()
+        if not self._staged_meta:
             return
         device = self.slots.storing_device
-        if self._staged_rows:
-            rows = torch.tensor(
-                [r for chunk in self._staged_rows for r in chunk], dtype=torch.long, device=device
-            )
-            self.slots.write(rows, torch.cat(self._staged_data, 0))
-        if self._staged_meta:
-            meta = torch.tensor(self._staged_meta, dtype=torch.long, device=device)
-            self.links.next_row[meta[:, 0]] = -1
-            self.links.episode[meta[:, 0]] = meta[:, 1]
-            self.links.step[meta[:, 0]] = meta[:, 2]
-            self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
+        meta = torch.tensor(self._staged_meta, dtype=torch.long, device=device)
+        self.links.next_row[meta[:, 0]] = -1
+        self.links.episode[meta[:, 0]] = meta[:, 1]
+        self.links.step[meta[:, 0]] = meta[:, 2]
+        self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
         if self._staged_links:
             links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
             self.links.next_row[links[:, 0]] = links[:, 1]
             self.anchors.add(links[:, 0])
-        self._staged_rows, self._staged_data = [], []
         self._staged_meta, self._staged_links = [], []
 
     def clear(self) -> None:
@@ -349,3 +361,18 @@ class EpisodeCore:
         self.flush()
         for episode in list(self.episodes.values()):
             self.remove_episode(episode)
+
+
+def _observation(leaves: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+    return {key: value for key, value in leaves.items() if key[0] == "observation"}
+
+
+def _nest(leaves: dict[Key, torch.Tensor]) -> dict:
+    """Flat keys to a nested dict, as TensorDict's constructor takes them."""
+    nested: dict = {}
+    for key, value in leaves.items():
+        node = nested
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+    return nested

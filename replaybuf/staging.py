@@ -1,0 +1,51 @@
+"""Staging of appended rows before they are written to TorchRL storage in one call.
+
+TorchRL's per-call write costs tens of microseconds and a TensorDict per step costs more, so
+appended steps are copied (``copy_``) into preallocated host columns, one per field, and written
+to storage ``capacity`` rows at a time. Copying also decouples us from the caller's arrays, which
+vectorized environments reuse for the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from replaybuf.schema import FieldSpec, Key
+from replaybuf.storage import build_tensordict
+
+
+class RowStager:
+    """Up to ``capacity`` rows of every field of ``spec``, with the storage rows they go to."""
+
+    def __init__(self, spec: FieldSpec, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: list[Key] = list(spec)
+        self.columns = [torch.empty((capacity, *spec[k].shape), dtype=spec[k].dtype) for k in spec]
+        self.rows: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def fits(self, count: int) -> bool:
+        return len(self.rows) + count <= self.capacity
+
+    def stage(self, rows: list[int], leaves: dict[Key, torch.Tensor]) -> None:
+        """Copy ``len(rows)`` rows of ``leaves`` (each ``[len(rows), ...]``); caller checks fits."""
+        begin, end = len(self.rows), len(self.rows) + len(rows)
+        for key, column in zip(self.keys, self.columns, strict=True):
+            column[begin:end].copy_(leaves[key])
+        self.rows.extend(rows)
+
+    def drain(self) -> tuple[torch.Tensor, TensorDict]:
+        """The staged rows' storage slots and data (views into the columns), then empty.
+
+        The data must be consumed (written to storage) before the next :meth:`stage`.
+        """
+        count = len(self.rows)
+        slots = torch.tensor(self.rows, dtype=torch.long)
+        data = build_tensordict(
+            self.keys, [c[:count] for c in self.columns], count, torch.device("cpu")
+        )
+        self.rows = []
+        return slots, data
