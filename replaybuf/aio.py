@@ -187,6 +187,8 @@ class EpisodeReplayBuffer:
         finally:
             if not pending.done():
                 pending.cancel()
+            elif not pending.cancelled():
+                pending.exception()  # retrieved: an abandoned prefetch must not log an error
             batches.close()
 
     async def wait_for_steps(self, min_steps: int) -> None:

@@ -55,6 +55,7 @@ RETURNED_KEYS = frozenset(
         "length",
     }
 )
+_NUMBERS = (bool, int, float, np.number, np.bool_)
 _FLUSH_ROWS = 512  # staged rows written in one storage call
 
 
@@ -169,6 +170,9 @@ class EpisodeCore:
                     f"{what}: extras names {clash} collide with keys sampling returns"
                 )
             data["extras"] = extras
+        if self.slots.spec is None and not batched and isinstance(reward, _NUMBERS):
+            # A first reward of 0 must not make every later reward an int: numbers are float32.
+            data["reward"] = torch.tensor(float(reward), dtype=torch.float32)
         dims = 1 if batched else 0
         row = to_leaves(data, batched=batched, what=what, spec=self.slots.spec)
         if self.slots.spec is not None:
@@ -203,7 +207,8 @@ class EpisodeCore:
         """Evict whole episodes so that ``steps`` steps, ``rows`` rows and ``episodes`` fit.
 
         Oldest finished episodes go first (by start order), then oldest in progress; episodes
-        in ``protected`` (those being written) never go. Nothing changes if it cannot be done.
+        in ``protected`` (those being written) never go, and an episode holding no rows goes
+        only when the episode count is over. Nothing changes if it cannot be done.
         """
         over_steps = self.steps + steps - self.max_steps
         over_rows = rows - len(self.free)
@@ -214,6 +219,9 @@ class EpisodeCore:
         candidates = self._eviction_order(protected)
         try:
             for episode in candidates:
+                holds = episode.steps + (episode.final_row is not None)
+                if holds == 0 and over_eps <= 0:
+                    continue  # evicting it frees no step or row; only max_episodes needs it
                 victims.append(episode)
                 over_steps -= episode.steps
                 over_rows -= episode.steps + (episode.final_row is not None)

@@ -99,7 +99,7 @@ def sequence_batch(
 ) -> TensorDict:
     """``[B, length]`` consecutive steps from each anchor; ``mask`` marks real steps.
 
-    Positions past an episode's end are zero-filled (``mask`` False there).
+    Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1.
     """
     links = core.links
     batch = start.shape[0]
@@ -135,6 +135,8 @@ def sequence_batch(
         return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=device))
 
     out = out.apply(zero_padding)
+    for name in ("episode_id", "step"):  # 0 is a real id and step: padding says -1
+        out.set(name, torch.where(mask, out.get(name), -1))
     out.set("mask", mask)
     return out
 

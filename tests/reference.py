@@ -130,6 +130,8 @@ class ReferenceBuffer:
         for episode in order:
             if max(over()) <= 0:
                 break
+            if episode.rows == 0 and over()[2] <= 0:
+                continue  # evicting it frees no step or row; only the episode count needs it
             victims.append(episode.episode_id)
             del self.episodes[episode.episode_id]
         if max(over()) > 0:

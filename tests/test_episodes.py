@@ -635,3 +635,39 @@ def test_stored_bytes_per_transition_stay_within_1_1x_of_the_payload(make):
     assert after["evicted_episodes"] == 1
     assert after["steps"] == (episodes - 1) * length + 10
     assert after["bytes"] == stats["bytes"]
+
+
+def test_python_number_rewards_are_float32_even_when_the_first_is_an_int(tmp_path):
+    with SyncEpisodeReplayBuffer(100, scratch_dir=tmp_path, seed=0) as buf:
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, torch.zeros(2), 0, 0)
+        buf.append_observation_action_reward(ep, torch.zeros(2), 1, 0.5)
+        buf.end_episode(ep, "terminated", final_observation=torch.zeros(2))
+        batch = buf.sample_n_step(4, n=2, gamma=1.0, replace=False)
+        assert batch["reward"].dtype == torch.float32
+        assert sorted(batch["reward"].tolist()) == [0.5, 0.5]
+
+
+def test_sequence_padding_marks_episode_id_and_step_minus_one(tmp_path):
+    with SyncEpisodeReplayBuffer(100, scratch_dir=tmp_path, seed=0) as buf:
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, torch.zeros(2), 0, 1.0)
+        buf.end_episode(ep, "terminated", final_observation=torch.ones(2))
+        seq = buf.sample_sequences(3, 4, strict=False)
+        assert seq["mask"].tolist() == [[True, False, False, False]] * 3
+        assert seq["episode_id"].tolist() == [[ep, -1, -1, -1]] * 3
+        assert seq["step"].tolist() == [[0, -1, -1, -1]] * 3
+
+
+def test_an_episode_holding_no_rows_is_not_evicted_for_step_pressure(tmp_path):
+    with SyncEpisodeReplayBuffer(2, scratch_dir=tmp_path, seed=0) as buf:
+        old = buf.start_episode()
+        fresh = buf.start_episode()  # older than `writer` but holds nothing
+        writer = buf.start_episode()
+        buf.append_observation_action_reward(old, torch.zeros(2), 0, 1.0)
+        buf.append_observation_action_reward(writer, torch.zeros(2), 0, 1.0)
+        buf.append_observation_action_reward(writer, torch.zeros(2), 0, 1.0)  # evicts `old`
+        stats = buf.stats()
+        assert (stats["evicted_episodes"], stats["episodes"]) == (1, 2)  # `fresh` survived
+        buf.append_observation_action_reward(fresh, torch.zeros(2), 0, 1.0)  # still appendable
+        assert buf.stats()["evicted_episodes"] == 2  # that append had to evict `writer`
