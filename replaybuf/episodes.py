@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.anchors import AnchorSet
-from replaybuf.errors import EpisodeStateError, SchemaError
+from replaybuf.errors import EpisodeStateError, ReplayBufError, SchemaError
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
@@ -91,6 +91,10 @@ class Episode:
         )
 
 
+class RowsPinned(ReplayBufError, RuntimeError):
+    """No free row while a checkpoint snapshot pins evicted rows; retry after it finishes."""
+
+
 class RowLinks:
     """Per-row bookkeeping on the storing device: links, owners, steps and end kinds."""
 
@@ -117,6 +121,10 @@ class EpisodeCore:
         self.links = RowLinks(capacity, device)
         self.anchors = AnchorSet(capacity, device)
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() yields row 0 first
+        # While a checkpoint copies rows outside the lock (pinned), rows freed by eviction wait
+        # here instead of being reused, so no row the snapshot references is overwritten.
+        self.pinned = False
+        self.quarantine: list[int] = []
         self.episodes: dict[int, Episode] = {}  # insertion order = start order
         self.finished: list[tuple[int, int]] = []  # heap of (seq, episode_id)
         self.next_id = 0
@@ -213,6 +221,7 @@ class EpisodeCore:
         over_steps = self.steps + steps - self.max_steps
         over_rows = rows - len(self.free)
         over_eps = len(self.episodes) + episodes - self.max_episodes if self.max_episodes else 0
+        frees_rows = not self.pinned  # while a snapshot is open, evicted rows stay quarantined
         if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
             return
         victims: list[Episode] = []
@@ -224,11 +233,13 @@ class EpisodeCore:
                     continue  # evicting it frees no step or row; only max_episodes needs it
                 victims.append(episode)
                 over_steps -= episode.steps
-                over_rows -= episode.steps + (episode.final_row is not None)
+                over_rows -= holds if frees_rows else 0
                 over_eps -= 1
                 if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
                     break
             else:
+                if self.pinned and over_rows > 0:
+                    raise RowsPinned("every free row is held by an open checkpoint snapshot")
                 raise ValueError(
                     f"cannot make room for {steps} step(s) and {episodes} episode(s): "
                     f"max_steps={self.max_steps}, max_episodes={self.max_episodes}, and "
@@ -276,10 +287,21 @@ class EpisodeCore:
             self.links.next_row[rows_t] = -1
             self.links.episode[rows_t] = -1
             self.links.end_kind[rows_t] = END_NONE
-            self.free.extend(reversed(rows))
+            (self.quarantine if self.pinned else self.free).extend(reversed(rows))
         self.steps -= episode.steps
         self.valid_steps -= episode.valid_steps
         del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
+
+    def pin(self) -> None:
+        """Start a snapshot: from now on no row in use is handed out again until :meth:`unpin`."""
+        self.flush()
+        self.pinned = True
+
+    def unpin(self) -> None:
+        """End a snapshot: quarantined rows become free."""
+        self.pinned = False
+        self.free.extend(self.quarantine)
+        self.quarantine = []
 
     # ----------------------------------------------------------------- writes
     def start(self, agent_id: str) -> int:
