@@ -12,13 +12,14 @@ import gc
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf import metadata
+from replaybuf import buffer_checkpoint, metadata
 from replaybuf.args import index_tensor, int_at_least, positive_int
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.iterators import epoch_batches, epoch_order, num_batches
@@ -74,6 +75,7 @@ class ReplayBuffer:
         self._closed = False
         self._resets = 0  # lets an epoch iterator notice that its planned slots were dropped
         self._iterator: Iterator[TensorDict] | None = None
+        self._home: Path | None = None  # where save_checkpoint() writes; set by open()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -384,3 +386,38 @@ class ReplayBuffer:
         if spec is not None:
             self._slots.prepare(spec)
         return document
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self, directory: str | os.PathLike | None = None, *, durable: bool = True
+    ) -> Path:
+        """Save rows, ring state, spec, config and sampler RNG state; see README "Checkpoints".
+
+        Replaces the checkpoint at ``directory`` atomically (default: the one :meth:`open` was
+        given). ``durable=False`` skips fsync: safe against a killed process, not power loss.
+        """
+        self._check_open()
+        directory = self._home if directory is None else directory
+        if directory is None:
+            raise ValueError(
+                "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
+            )
+        return buffer_checkpoint.save(self, directory, durable)
+
+    @classmethod
+    def load_checkpoint(cls, directory: str | os.PathLike, **overrides: Any) -> ReplayBuffer:
+        """A new buffer holding the checkpoint at ``directory``, sampling where it left off.
+
+        ``overrides``: ``device``, ``storing_device``, ``storage``, ``scratch_dir`` or
+        ``print_gc_warning``. Checked before a buffer is made; a failed load leaves nothing.
+        """
+        return buffer_checkpoint.load(cls, directory, overrides)
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> ReplayBuffer:
+        """Load the checkpoint at ``directory``, else ``ReplayBuffer(**kwargs)``; either way a
+        later ``save_checkpoint()`` writes there. Loading, ``buffer_size`` must match, ``seed``
+        is unused (the saved sampler goes on) and the other ``kwargs`` are overrides."""
+        buffer = buffer_checkpoint.open_or_create(cls, directory, kwargs)
+        buffer._home = Path(os.path.abspath(directory))
+        return buffer

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -273,6 +274,32 @@ class SlotStorage:
             v.numel() * v.element_size()
             for v in stored.values(include_nested=True, leaves_only=True)
         )
+
+    # ----------------------------------------------------------------- checkpoints
+    def restore(
+        self, rows: int, cursor: int, writes: int, fill: Callable[[Key, torch.Tensor], None]
+    ) -> None:
+        """Allocate, let ``fill(key, out)`` write slots ``[0, rows)`` of each field, then make
+        TorchRL's writer and storage agree with them (loading a checkpoint; spec prepared).
+
+        Allocation takes the path of a first write (one zero row through ``extend``), so the
+        files, the space reservation and TorchRL's own index column are exactly as usual.
+        """
+        if rows == 0:
+            return  # nothing stored: the storage stays lazy, as in a buffer never written to
+        self.extend(self.spec.zeros(1))
+        for key, column in self._leaves:
+            fill(key, column[:rows])  # a view: memmap rows are filled in place, never copied
+        self.memory.writer.load_state_dict({"_cursor": cursor, "_write_count": writes})
+        # TorchRL has no public setter for how many rows a storage holds: `_len` is the private
+        # attribute its TensorStorage reads for len(), fullness and sampling bounds.
+        self.memory.storage._len = rows
+        # TorchRL's private allocated TensorDict (as in _after_first_write): its index column
+        # holds each row's own slot, as TensorDictReplayBuffer.extend writes it.
+        stored: TensorDictBase = self.memory.storage._storage
+        if _TORCHRL_INDEX_KEY[0] in stored.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
+            index = stored.get(_TORCHRL_INDEX_KEY[0])
+            index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
 
 
 def build_tensordict(
