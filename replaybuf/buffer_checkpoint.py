@@ -124,8 +124,7 @@ def load(
         raise TypeError(f"checkpoint overrides must be among {list(OVERRIDES)}, got {unknown}")
     with _open(directory) as checkpoint:
         where = f"checkpoint {str(checkpoint.directory)!r}"
-        state = parse_meta(checkpoint.meta, where)
-        check_tensors(checkpoint, state, where)
+        state = check(checkpoint)
         kwargs = _constructor_kwargs(state, overrides, where)
         generator_state = checkpoint.load(GENERATOR, verify=True)
         _check_generator_state(generator_state, state, kwargs["storing_device"], where)
@@ -164,6 +163,14 @@ def _open(directory: str | os.PathLike[str]) -> Checkpoint:
         return read_checkpoint(directory, KIND, verify=False)
     except CheckpointKindError as exc:
         raise CheckpointKindError(f"{exc}; load it with that class's load_checkpoint") from None
+
+
+def check(checkpoint: Checkpoint) -> RingState:
+    """The ring state of a ``ReplayBuffer`` checkpoint, after checking it agrees with itself."""
+    where = f"checkpoint {str(checkpoint.directory)!r}"
+    state = parse_meta(checkpoint.meta, where)
+    check_tensors(checkpoint, state, where)
+    return state
 
 
 def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
