@@ -207,7 +207,8 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
         size=size,
         pointer=pointer,
         print_gc_warning=print_gc_warning,
-        torchrl_write_count=_int(meta, "torchrl_write_count", where, low=0),
+        # TorchRL keeps its write count in a C int, which wraps negative after 2**31 rows
+        torchrl_write_count=_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1),
         spec=spec,
         **strings,
     )
