@@ -68,18 +68,7 @@ def write_checkpoint(
     meta = dict(meta)
     check_json(meta, "meta")
     items = check_tensors(tensors)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with parent_lock(target.parent):
-        recover_locked(target)
-        refuse_foreign(target)
-        needed = sum(t.numel() * t.element_size() for t in items.values()) + (1 << 20)
-        free = shutil.disk_usage(target.parent).free
-        if free < needed:
-            raise InsufficientSpaceError(str(target.parent), needed, free)
-        tmp = sibling(target, "tmp", uuid.uuid4().hex)
-        tmp.mkdir()
-        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
-        flock(tmp_fd, blocking=False)  # marks tmp as alive: recover() leaves it alone
+    tmp, tmp_fd = _make_tmp(target, items)
     try:
         crash_point("after_tmp_created")
         try:
@@ -101,6 +90,23 @@ def write_checkpoint(
     finally:
         os.close(tmp_fd)
     return target
+
+
+def _make_tmp(target: Path, items: dict[str, torch.Tensor]) -> tuple[Path, int]:
+    """Under the parent lock: recover, refuse a foreign folder, check space, make a locked tmp."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with parent_lock(target.parent):
+        recover_locked(target)
+        refuse_foreign(target)
+        needed = sum(t.numel() * t.element_size() for t in items.values()) + (1 << 20)
+        free = shutil.disk_usage(target.parent).free
+        if free < needed:
+            raise InsufficientSpaceError(str(target.parent), needed, free)
+        tmp = sibling(target, "tmp", uuid.uuid4().hex)
+        tmp.mkdir()
+        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        flock(tmp_fd, blocking=False)  # marks tmp as alive: recover() leaves it alone
+    return tmp, tmp_fd
 
 
 def _write_tree(
