@@ -5,12 +5,18 @@ from replaybuf.buffer import ReplayBuffer
 from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 from replaybuf.errors import (
     BufferClosedError,
+    CheckpointError,
+    CheckpointKindError,
+    CorruptCheckpointError,
     EmptyBufferError,
     EpisodeStateError,
     InsufficientSpaceError,
     MetadataError,
+    NoCheckpointError,
     ReplayBufError,
     SchemaError,
+    UnsafeCheckpointError,
+    UnsupportedVersionError,
 )
 from replaybuf.nstep import compute_discounted_return
 from replaybuf.schema import Field, FieldSpec
@@ -19,6 +25,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferClosedError",
+    "CheckpointError",
+    "CheckpointKindError",
+    "CorruptCheckpointError",
     "EmptyBufferError",
     "EpisodeReplayBuffer",
     "EpisodeStateError",
@@ -26,10 +35,13 @@ __all__ = [
     "FieldSpec",
     "InsufficientSpaceError",
     "MetadataError",
+    "NoCheckpointError",
     "ReplayBufError",
     "ReplayBuffer",
     "SchemaError",
     "SyncEpisodeReplayBuffer",
+    "UnsafeCheckpointError",
+    "UnsupportedVersionError",
     "__version__",
     "compute_discounted_return",
 ]

@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
 
+from replaybuf import episode_checkpoint
 from replaybuf.args import int_at_least
 from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.episodes import RowsPinned
 from replaybuf.errors import BufferClosedError
 from replaybuf.sampling import NArg
 
@@ -43,18 +46,32 @@ class EpisodeReplayBuffer:
         seed: int | None = None,
         min_steps: int = 0,
     ) -> None:
-        self._sync = SyncEpisodeReplayBuffer(
-            max_steps,
-            max_episodes,
-            device=device,
-            storing_device=storing_device,
-            storage=storage,
-            scratch_dir=scratch_dir,
-            seed=seed,
-            min_steps=min_steps,
+        self._attach(
+            SyncEpisodeReplayBuffer(
+                max_steps,
+                max_episodes,
+                device=device,
+                storing_device=storing_device,
+                storage=storage,
+                scratch_dir=scratch_dir,
+                seed=seed,
+                min_steps=min_steps,
+            )
         )
+
+    def _attach(self, sync: SyncEpisodeReplayBuffer) -> None:
+        self._sync = sync
         self._lock = asyncio.Lock()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._saving = asyncio.Lock()  # one checkpoint at a time
+        self._idle = asyncio.Event()  # set while no checkpoint copies rows
+        self._idle.set()
+
+    @classmethod
+    def _wrap(cls, sync: SyncEpisodeReplayBuffer) -> EpisodeReplayBuffer:
+        buffer = cls.__new__(cls)
+        buffer._attach(sync)
+        return buffer
 
     @property
     def sync(self) -> SyncEpisodeReplayBuffer:
@@ -70,8 +87,14 @@ class EpisodeReplayBuffer:
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await asyncio.sleep(0)  # cancellation point: nothing has changed yet
-        async with self._lock:
-            result = fn(*args, **kwargs)  # synchronous and atomic: no await inside
+        while True:
+            async with self._lock:
+                try:
+                    result = fn(*args, **kwargs)  # synchronous and atomic: no await inside
+                    break
+                except RowsPinned:
+                    pass  # refused before changing anything: retry once the checkpoint is done
+            await self._idle.wait()
         self._wake_waiters()
         return result
 
@@ -209,9 +232,12 @@ class EpisodeReplayBuffer:
         await self._call(self._sync.clear)
 
     async def close(self) -> None:
-        """Close the buffer; tasks waiting in :meth:`wait_for_steps` get BufferClosedError."""
-        async with self._lock:
-            self._sync.close()
+        """Close the buffer (after a checkpoint in flight is written); waiters in
+        :meth:`wait_for_steps` get BufferClosedError."""
+        async with self._saving:
+            await self._idle.wait()
+            async with self._lock:
+                self._sync.close()
         waiters, self._waiters = self._waiters, []
         for _, future in waiters:
             if not future.done():
@@ -222,6 +248,49 @@ class EpisodeReplayBuffer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def save_checkpoint(
+        self, directory: str | os.PathLike | None = None, *, durable: bool = True
+    ) -> Path:
+        """Save a snapshot of one instant while other tasks keep appending and sampling.
+
+        Under the lock only the index state is copied and the rows are pinned (rows freed by
+        eviction are not reused); the rows stream to disk in a worker thread. Writers wait only
+        if every free row is pinned. If this coroutine is cancelled during the write, the
+        write still completes (it publishes atomically, or not at all on error).
+        """
+        async with self._saving:
+            await asyncio.sleep(0)
+            async with self._lock:
+                target, snap = self._sync.begin_checkpoint(directory)
+            self._idle.clear()
+            write = asyncio.ensure_future(
+                asyncio.to_thread(episode_checkpoint.write, target, snap, durable)
+            )
+            try:
+                return await asyncio.shield(write)
+            finally:
+                if not write.done():  # cancelled: the thread goes on; keep rows pinned till then
+                    await asyncio.wait([write])
+                self._sync.end_checkpoint()
+                self._idle.set()
+
+    @classmethod
+    async def load_checkpoint(
+        cls, directory: str | os.PathLike, **overrides: Any
+    ) -> EpisodeReplayBuffer:
+        """A new buffer holding the checkpoint at ``directory`` (loaded in a worker thread)."""
+        sync = await asyncio.to_thread(
+            SyncEpisodeReplayBuffer.load_checkpoint, directory, **overrides
+        )
+        return cls._wrap(sync)
+
+    @classmethod
+    async def open(cls, directory: str | os.PathLike, **kwargs: Any) -> EpisodeReplayBuffer:
+        """Load the checkpoint at ``directory``, else create one with ``kwargs``; a later
+        ``save_checkpoint()`` with no argument writes there."""
+        sync = await asyncio.to_thread(SyncEpisodeReplayBuffer.open, directory, **kwargs)
+        return cls._wrap(sync)
 
     async def save(self, path: str | os.PathLike) -> None:
         await self._call(self._sync.save, path)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from replaybuf import metadata
+from replaybuf import episode_checkpoint, metadata
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.episodes import STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
@@ -115,6 +116,7 @@ class SyncEpisodeReplayBuffer:
         else:
             self._generator.manual_seed(seed)
         self._closed = False
+        self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
 
     # ----------------------------------------------------------------- properties
     @property
@@ -358,6 +360,57 @@ class SyncEpisodeReplayBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self, directory: str | os.PathLike | None = None, *, durable: bool = True
+    ) -> Path:
+        """Save everything (rows, episodes in progress, counters, sampler state) atomically.
+
+        Replaces the checkpoint at ``directory`` (default: the one :meth:`open` was given);
+        ``durable=False`` skips fsync: safe against a killed process, not against power loss.
+        """
+        target, snap = self.begin_checkpoint(directory)
+        try:
+            return episode_checkpoint.write(target, snap, durable)
+        finally:
+            self.end_checkpoint()
+
+    def begin_checkpoint(self, directory: str | os.PathLike | None) -> tuple[Path, Any]:
+        """Pin the rows and copy the index state; :meth:`end_checkpoint` must follow."""
+        self._check_open()
+        target = self._home if directory is None else Path(directory)
+        if target is None:
+            raise ValueError(
+                "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
+            )
+        self._core.pin()
+        try:
+            return target, episode_checkpoint.snapshot(self)
+        except BaseException:
+            self._core.unpin()
+            raise
+
+    def end_checkpoint(self) -> None:
+        """Release the rows pinned by :meth:`begin_checkpoint`."""
+        self._core.unpin()
+
+    @classmethod
+    def load_checkpoint(
+        cls, directory: str | os.PathLike, **overrides: Any
+    ) -> SyncEpisodeReplayBuffer:
+        """A new buffer holding the checkpoint at ``directory``: episodes in progress continue,
+        sampling draws what the saved one would have. ``overrides``: ``device``,
+        ``storing_device``, ``storage``, ``scratch_dir``, ``min_steps``."""
+        return episode_checkpoint.load(cls, directory, overrides)
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> SyncEpisodeReplayBuffer:
+        """Load the checkpoint at ``directory``, else create ``cls(**kwargs)``; either way a
+        later ``save_checkpoint()`` writes there (the Reverb manager's create-or-load)."""
+        buffer = episode_checkpoint.open_or_create(cls, directory, kwargs)
+        buffer._home = Path(os.path.abspath(directory))
+        return buffer
 
     # ----------------------------------------------------------------- metadata
     def save(self, path: str | os.PathLike) -> None:

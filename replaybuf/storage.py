@@ -277,17 +277,27 @@ class SlotStorage:
 
     # ----------------------------------------------------------------- checkpoints
     def restore(
-        self, rows: int, cursor: int, writes: int, fill: Callable[[Key, torch.Tensor], None]
+        self,
+        rows: int,
+        cursor: int,
+        writes: int,
+        fill: Callable[[Key, torch.Tensor], None],
+        *,
+        ring: bool = True,
     ) -> None:
         """Allocate, let ``fill(key, out)`` write slots ``[0, rows)`` of each field, then make
         TorchRL's writer and storage agree with them (loading a checkpoint; spec prepared).
 
-        Allocation takes the path of a first write (one zero row through ``extend``), so the
-        files, the space reservation and TorchRL's own index column are exactly as usual.
+        Allocation takes the path of the buffer's own first write (one zero row through
+        ``extend`` for a ring, ``set`` otherwise), so the files, the space reservation and
+        TorchRL's own columns are exactly as usual.
         """
         if rows == 0:
             return  # nothing stored: the storage stays lazy, as in a buffer never written to
-        self.extend(self.spec.zeros(1))
+        if ring:  # allocate as the buffer's own first write does (ring: extend; else set)
+            self.extend(self.spec.zeros(1))
+        else:
+            self.write(torch.zeros(1, dtype=torch.long), self.spec.zeros(1))
         for key, column in self._leaves:
             fill(key, column[:rows])  # a view: memmap rows are filled in place, never copied
         self.memory.writer.load_state_dict({"_cursor": cursor, "_write_count": writes})
