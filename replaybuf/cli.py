@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from replaybuf import buffer_checkpoint
+from replaybuf import buffer_checkpoint, episode_checkpoint
 from replaybuf.checkpoint import describe_checkpoint, read_checkpoint, verify_checkpoint
 from replaybuf.errors import ReplayBufError
 
@@ -74,12 +74,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _buffer_problems(directory: str) -> list[str]:
-    """What ``ReplayBuffer.load_checkpoint`` would refuse in a sound ReplayBuffer checkpoint."""
+    """What ``load_checkpoint`` of the checkpoint's buffer kind would refuse in it."""
     with read_checkpoint(directory, verify=False) as checkpoint:
-        if checkpoint.kind != buffer_checkpoint.KIND:
-            return []
         try:
-            buffer_checkpoint.check(checkpoint)
+            if checkpoint.kind == buffer_checkpoint.KIND:
+                buffer_checkpoint.check(checkpoint)
+            elif checkpoint.kind == episode_checkpoint.KIND:
+                episode_checkpoint.check(checkpoint, f"checkpoint {directory!r}")
         except ReplayBufError as exc:
             return [str(exc)]
     return []

@@ -162,3 +162,21 @@ def test_verify_applies_the_buffers_own_checks(tmp_path, capsys):  # in-process:
     out = capsys.readouterr().out
     assert out.startswith("FAILED: ")
     assert "meta 'size' expected in [0, 8], got 9" in out
+
+
+def test_verify_applies_the_episode_buffers_own_checks(tmp_path, capsys):
+    from replaybuf import SyncEpisodeReplayBuffer
+
+    with SyncEpisodeReplayBuffer(20, scratch_dir=tmp_path, seed=0) as buf:
+        episode = buf.start_episode()
+        for t in range(4):
+            buf.append_observation_action_reward(episode, torch.full((2,), float(t)), t, 1.0)
+        directory = buf.save_checkpoint(tmp_path / "episodes")
+    assert main(["verify", str(directory)]) == 0
+    assert capsys.readouterr().out.startswith("OK: ")
+    manifest = directory / "MANIFEST.json"
+    document = json.loads(manifest.read_text())
+    document["meta"]["valid_steps"] = 4  # files intact; the anchors hold 3
+    manifest.write_text(json.dumps(document))
+    assert main(["verify", str(directory)]) == 1
+    assert "disagree with the episode table" in capsys.readouterr().out
