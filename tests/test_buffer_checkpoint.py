@@ -435,7 +435,7 @@ def test_a_save_killed_at_any_phase_leaves_the_old_or_the_new_buffer(tmp_path):
     phases = [phase for phase, _ in KILL_PHASES]
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
     result = subprocess.run(
-        [sys.executable, str(HELPER), str(tmp_path), *phases],
+        [sys.executable, str(HELPER), "ring", str(tmp_path), *phases],
         capture_output=True,
         text=True,
         env=env,

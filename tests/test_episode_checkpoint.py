@@ -268,3 +268,54 @@ async def test_writers_needing_pinned_rows_wait_for_the_checkpoint(tmp_path: Pat
         await asyncio.wait_for(blocked, 5)
         stats = await buf.stats()
         assert (stats["steps"], stats["evicted_episodes"]) == (1, 1)
+
+
+KILL_PHASES = [
+    ("after_data_chunk:2", 1),
+    ("before_manifest", 1),
+    ("after_manifest", 1),
+    ("after_old_renamed", 2),
+    ("after_publish_rename", 2),
+    ("during_old_removal", 2),
+]
+
+
+def test_an_episode_save_killed_at_any_phase_leaves_the_old_or_the_new_buffer(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from buffer_crash_helper import make_episodes
+
+    from replaybuf.checkpoint import CRASH_ENV
+
+    helper = Path(__file__).with_name("buffer_crash_helper.py")
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    phases = [phase for phase, _ in KILL_PHASES]
+    result = subprocess.run(
+        [sys.executable, str(helper), "episodes", str(tmp_path), *phases],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    trials = json.loads(result.stdout.splitlines()[-1])
+    scratch = tmp_path / "expected"
+    scratch.mkdir()
+    expected = {seed: make_episodes(seed, scratch) for seed in (1, 2)}
+    draws = {seed: buf.sample_n_step(6, n=3) for seed, buf in expected.items()}
+    try:
+        for i, ((phase, seed), trial) in enumerate(zip(KILL_PHASES, trials, strict=True)):
+            assert trial["signal"] == 9, (trial, result.stderr)
+            directory = tmp_path / str(i) / "ckpt"
+            with SyncEpisodeReplayBuffer.load_checkpoint(directory, scratch_dir=scratch) as back:
+                same_contents(expected[seed], back)  # (sampling does not change contents)
+                assert (back.sample_n_step(6, n=3) == draws[seed]).all(), phase
+            assert sorted(p.name for p in directory.parent.iterdir()) == ["ckpt", "scratch"]
+    finally:
+        for buf in expected.values():
+            buf.close()
