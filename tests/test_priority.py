@@ -1,0 +1,417 @@
+"""PriorityIndex on both backends.
+
+Three layers: named table cases with hand-computed values, a plain-Python reference (a list of
+float32 weights, last write wins) that hypothesis drives through random ``set`` sequences, and
+chi-square tests of the sampling distribution with fixed seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from replaybuf import priority
+from replaybuf.priority import (
+    BACKEND_ENV,
+    descend,
+    make_priority_index,
+    segment_tree_unavailable_reason,
+)
+
+MISSING = segment_tree_unavailable_reason()
+needs_segment_tree = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING}")
+BACKENDS = [
+    "torch",
+    pytest.param("torchrl-segment-tree", marks=needs_segment_tree),
+]
+BACKENDS_BY_NAME = ("torch", "torchrl-segment-tree")
+CUDA = torch.cuda.is_available()
+
+# 20 items, 5 absent, the rest spread over more than three decades.
+UNEVEN = [0, 1000, 0.3, 50, 0, 2, 7, 0.5, 300, 1, 0, 20, 0.25, 4, 90, 0, 8, 0.4, 60, 15]
+
+
+def index_with(backend: str, weights: list[float], device: str = "cpu"):
+    index = make_priority_index(len(weights), device, backend)
+    index.set(torch.arange(len(weights)), torch.tensor(weights, dtype=torch.float64))
+    return index
+
+
+def draw(index, batch_size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=index.device).manual_seed(seed)
+    return index.sample(batch_size, generator)
+
+
+def chi_square_p(items: torch.Tensor, weights: list[float]) -> float:
+    """p-value of the draws' counts against weight / total, over the items of positive weight."""
+    counts = torch.bincount(items.cpu(), minlength=len(weights)).numpy()
+    w = np.array(weights, dtype=np.float64)
+    assert counts[w == 0].sum() == 0, "an item of weight 0 was drawn"
+    expected = w[w > 0] / w.sum() * len(items)
+    return stats.chisquare(counts[w > 0], expected).pvalue
+
+
+# --------------------------------------------------------------------------- table cases
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_index_has_every_weight_zero(backend):
+    index = make_priority_index(5, "cpu", backend)
+    assert index.backend == backend
+    assert (index.capacity, index.device) == (5, torch.device("cpu"))
+    assert (index.total(), index.min_positive(), index.max()) == (0.0, math.inf, 0.0)
+    assert index.weights().tolist() == [0.0] * 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_get_total_min_max(backend):
+    index = make_priority_index(10, "cpu", backend)
+    index.set(torch.tensor([0, 3, 9]), torch.tensor([1.0, 5.0, 0.5]))
+    assert index.total() == 6.5
+    assert (index.min_positive(), index.max()) == (0.5, 5.0)
+    got = index.get(torch.tensor([9, 3, 1]))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [0.5, 5.0, 0.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicates_in_one_call_the_last_value_wins(backend):
+    index = make_priority_index(8, "cpu", backend)
+    index.set(torch.tensor([3, 5, 3, 3, 5]), torch.tensor([1.0, 0.0, 2.0, 0.0, 4.0]))
+    assert index.get(torch.tensor([3, 5])).tolist() == [0.0, 4.0]
+    assert (index.total(), index.min_positive(), index.max()) == (4.0, 4.0, 4.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_zero_removes_an_item(backend):
+    index = index_with(backend, [2.0, 3.0, 4.0])
+    index.set(torch.tensor([2]), torch.tensor([0.0]))
+    assert (index.total(), index.min_positive(), index.max()) == (5.0, 2.0, 3.0)
+    assert set(draw(index, 2000, 0).tolist()) == {0, 1}
+    index.set(torch.tensor([0, 1]), torch.tensor([0.0, -0.0]))
+    assert (index.total(), index.min_positive(), index.max()) == (0.0, math.inf, 0.0)
+    assert math.copysign(1.0, index.weights()[1].item()) == 1.0  # -0.0 is stored as 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("capacity", [1, 2, 1000, 1024])
+def test_capacity_edges_sample_only_present_items(backend, capacity):
+    index = make_priority_index(capacity, "cpu", backend)
+    last = capacity - 1
+    index.set(torch.tensor([last]), torch.tensor([0.25]))
+    assert draw(index, 100, 1).tolist() == [last] * 100
+    index.set(torch.tensor([0]), torch.tensor([0.75]))
+    assert set(draw(index, 500, 2).tolist()) == {0, last}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_is_reproducible_and_uses_only_the_generator(backend):
+    index = index_with(backend, UNEVEN)
+    torch.manual_seed(0)
+    first = draw(index, 256, 7)
+    torch.manual_seed(1)
+    np.random.seed(1)
+    assert torch.equal(draw(index, 256, 7), first)
+    assert first.dtype == torch.long
+    assert first.shape == (256,)
+    assert draw(index, 0, 7).shape == (0,)
+
+
+# --------------------------------------------------------------------------- distribution
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_draws_follow_weight_over_total(backend, seed):
+    index = index_with(backend, UNEVEN)
+    assert chi_square_p(draw(index, 60_000, seed), UNEVEN) > 0.001
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draws_follow_weights_after_updates_in_a_large_index(backend):
+    # 4096 items, most absent; 30 present ones rewritten twice with duplicates in one call.
+    index = make_priority_index(4096, "cpu", backend)
+    rng = np.random.default_rng(3)
+    items = torch.from_numpy(rng.choice(4096, 30, replace=False))
+    index.set(items, torch.ones(30))
+    weights = torch.from_numpy(rng.uniform(0.05, 20.0, 30))
+    index.set(torch.cat([items, items[:5]]), torch.cat([weights * 0 + 3, weights[:5]]))
+    index.set(items[5:], weights[5:])
+    reference = [0.0] * 4096
+    for item, weight in zip(items.tolist(), weights.tolist(), strict=True):
+        reference[item] = float(np.float32(weight))
+    assert chi_square_p(draw(index, 60_000, 4), reference) > 0.001
+
+
+# --------------------------------------------------------------------------- round-off guard
+def round_off_weights() -> list[float]:
+    """Weights whose float64 root rounds up, so u = total overshoots item 2 by 1 ulp.
+
+    node 2 = 1 + 2**-23 and w2 = 0.75 ulp(1): the root rounds to node 2 + 1 ulp, and a
+    descent with u = root goes right at the root, then right again past w2 into item 3,
+    whose weight is 0, unless guarded.
+    """
+    return [1.0, 2.0**-23, 0.75 * 2.0**-52, 0.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masses_at_the_top_of_the_range_never_reach_an_absent_item(backend, monkeypatch):
+    index = index_with(backend, round_off_weights())
+    monkeypatch.setattr(
+        priority,
+        "sample_masses",
+        lambda b, total, g, d: torch.full((b,), float(total), dtype=torch.float64),
+    )
+    assert draw(index, 4, 0).tolist() == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masses_just_above_zero_skip_leading_absent_items(backend, monkeypatch):
+    index = index_with(backend, [0.0, 0.0, 0.0, 2.0, 1.0])
+    monkeypatch.setattr(
+        priority,
+        "sample_masses",
+        lambda b, total, g, d: torch.full((b,), 5e-324, dtype=torch.float64),
+    )
+    assert draw(index, 3, 0).tolist() == [3, 3, 3]
+
+
+@needs_segment_tree
+def test_torchrl_scan_alone_would_return_the_absent_item():
+    # Why the guard exists: TorchRL's raw descent lands on item 3 (weight 0) for u = total.
+    sums, _ = priority._segment_trees()
+    tree = sums(4)
+    tree.update(torch.arange(4), torch.tensor(round_off_weights(), dtype=torch.float64))
+    total = tree.query(0, 4)
+    assert tree.scan_lower_bound(torch.tensor([total], dtype=torch.float64)).tolist() == [3]
+
+
+# --------------------------------------------------------------------------- vs a reference
+WEIGHTS = st.sampled_from([0.0, 0.0, 1.0, 0.5, 3.0, 7.25, 2.0**-20, 1e-30, 1e30, 123456.789])
+
+
+@st.composite
+def set_sequences(draw_):
+    capacity = draw_(st.integers(1, 40))
+    entry = st.tuples(st.integers(0, capacity - 1), WEIGHTS)
+    calls = draw_(st.lists(st.lists(entry, max_size=12), max_size=8))
+    return capacity, calls
+
+
+def reference_after(capacity: int, calls) -> list[float]:
+    """Weights after ``calls``: plain Python, one entry at a time, float32 like the index."""
+    weights = [0.0] * capacity
+    for call in calls:
+        for item, weight in call:
+            weights[item] = float(np.float32(weight))
+    return weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60, deadline=None)
+@given(case=set_sequences())
+def test_random_set_sequences_match_the_reference(backend, case):
+    capacity, calls = case
+    index = make_priority_index(capacity, "cpu", backend)
+    for call in calls:
+        items = torch.tensor([item for item, _ in call], dtype=torch.long)
+        index.set(items, torch.tensor([weight for _, weight in call], dtype=torch.float64))
+    expected = reference_after(capacity, calls)
+    positive = [w for w in expected if w > 0]
+    assert index.weights().tolist() == expected
+    assert index.get(torch.arange(capacity)).tolist() == expected
+    assert index.total() == pytest.approx(math.fsum(expected), rel=1e-12, abs=0.0)
+    assert index.min_positive() == (min(positive) if positive else math.inf)
+    assert index.max() == max(expected)
+    if positive:
+        assert all(expected[i] > 0 for i in draw(index, 64, 0).tolist())
+
+
+@needs_segment_tree
+@pytest.mark.parametrize("capacity", [1, 7, 1000, 1024])
+def test_backends_agree_bit_for_bit(capacity):
+    rng = np.random.default_rng(capacity)
+    weights = rng.lognormal(0.0, 3.0, capacity) * (rng.random(capacity) < 0.7)
+    a, b = (index_with(backend, weights.tolist()) for backend in BACKENDS_BY_NAME)
+    assert a.total() == b.total()  # the same pairwise float64 sums, bit for bit
+    assert (a.min_positive(), a.max()) == (b.min_positive(), b.max())
+    if a.total() > 0:
+        assert torch.equal(draw(a, 5000, 11), draw(b, 5000, 11))
+    items = torch.from_numpy(rng.integers(0, capacity, 64))
+    a.set(items, torch.zeros(64))
+    b.set(items, torch.zeros(64))
+    assert a.total() == b.total()
+    if a.total() > 0:
+        assert torch.equal(draw(a, 5000, 12), draw(b, 5000, 12))
+
+
+# --------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", BACKENDS)
+def test_weights_load_round_trip(backend, target):
+    source = index_with(backend, UNEVEN)
+    saved = source.weights()
+    assert (saved.dtype, saved.device) == (torch.float32, torch.device("cpu"))
+    restored = make_priority_index(len(UNEVEN), "cpu", target)
+    restored.load(saved)
+    assert torch.equal(restored.weights(), saved)
+    assert restored.total() == source.total()
+    assert (restored.min_positive(), restored.max()) == (source.min_positive(), source.max())
+    assert torch.equal(draw(restored, 1000, 5), draw(source, 1000, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        pytest.param(torch.ones(4), r"weights must have shape \(5,\), got \(4,\)", id="short"),
+        pytest.param(torch.ones(5, 1), r"must have shape \(5,\), got \(5, 1\)", id="2-D"),
+        pytest.param(torch.tensor([1.0, -1, 1, 1, 1]), r"got -1.0 at position 1", id="neg"),
+        pytest.param(torch.tensor([1.0, 1, 1, 1, math.nan]), r"got nan at position 4", id="nan"),
+    ],
+)
+def test_load_refuses_bad_weights_and_changes_nothing(backend, weights, match):
+    index = index_with(backend, [1.0, 2.0, 3.0, 4.0, 5.0])
+    with pytest.raises(ValueError, match=match):
+        index.load(weights)
+    assert index.weights().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert index.total() == 15.0
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("items", "weights", "match"),
+    [
+        pytest.param([0, 5], [1.0, 1.0], r"items must lie in \[0, 5\), got 5 at position 1"),
+        pytest.param([-1], [1.0], r"items must lie in \[0, 5\), got -1 at position 0"),
+        pytest.param([0.0], [1.0], r"items must be an integer tensor, got dtype torch.float32"),
+        pytest.param([[0]], [[1.0]], r"items must be 1-D \[k\], got shape \(1, 1\)"),
+        pytest.param([0, 1], [1.0], r"same shape, got items \(2,\) and weights \(1,\)"),
+        pytest.param([0, 1], [1.0, -2.0], r"finite and >= 0 .*got -2.0 at position 1"),
+        pytest.param([0], [math.inf], r"finite and >= 0 .*got inf at position 0"),
+        pytest.param([0], [math.nan], r"finite and >= 0 .*got nan at position 0"),
+        pytest.param([0], [1e39], r"finite and >= 0 in float32 .*got 1e\+39 at position 0"),
+        pytest.param([0], [True], r"weights must be real numbers, got dtype torch.bool"),
+    ],
+)
+def test_set_refuses_bad_input_and_changes_nothing(backend, items, weights, match):
+    index = index_with(backend, [1.0, 2.0, 3.0, 4.0, 5.0])
+    dtype = torch.float64 if isinstance(weights[0], float) else None
+    with pytest.raises(ValueError, match=match):
+        index.set(torch.tensor(items), torch.tensor(weights, dtype=dtype))
+    assert index.weights().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert (index.total(), index.min_positive(), index.max()) == (15.0, 1.0, 5.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_get_refuses_items_out_of_range(backend):
+    index = make_priority_index(5, "cpu", backend)
+    with pytest.raises(ValueError, match=r"items must lie in \[0, 5\), got 7 at position 2"):
+        index.get(torch.tensor([0, 1, 7]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_refuses_when_nothing_has_weight(backend):
+    index = make_priority_index(5, "cpu", backend)
+    with pytest.raises(ValueError, match="nothing to sample: every weight is 0"):
+        draw(index, 4, 0)
+    index.set(torch.tensor([1]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="batch_size must be an int >= 0, got -1"):
+        draw(index, -1, 0)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "match"),
+    [(0, "capacity must be an int >= 1, got 0"), (2.0, "capacity must be an int >= 1, got 2.0")],
+)
+def test_make_refuses_a_bad_capacity(capacity, match):
+    with pytest.raises(ValueError, match=match):
+        make_priority_index(capacity, "cpu", "torch")
+
+
+# --------------------------------------------------------------------------- backend choice
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'numpy'"):
+        make_priority_index(4, "cpu", "numpy")
+
+
+def test_segment_tree_on_cuda_is_refused_before_anything_is_allocated():
+    with pytest.raises(ValueError, match=r"cannot serve device cuda.*use backend 'torch'"):
+        make_priority_index(4, "cuda", "torchrl-segment-tree")
+
+
+def test_auto_takes_the_segment_tree_on_cpu_where_it_loads(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    expected = "torch" if MISSING else "torchrl-segment-tree"
+    assert make_priority_index(4, "cpu").backend == expected
+
+
+def test_env_var_overrides_auto_only(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert make_priority_index(4, "cpu").backend == "torch"
+    assert make_priority_index(4, "cpu", "auto").backend == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "torchrl-segment-tree")
+    assert make_priority_index(4, "cpu", "torch").backend == "torch"
+    with pytest.raises(ValueError, match=rf"{BACKEND_ENV}='torchrl-segment-tree' .* cuda"):
+        make_priority_index(4, "cuda")
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=rf"{BACKEND_ENV} must be one of .*got 'fast'"):
+        make_priority_index(4, "cpu")
+
+
+@needs_segment_tree
+def test_env_var_can_force_the_segment_tree(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "torchrl-segment-tree")
+    assert make_priority_index(4, "cpu").backend == "torchrl-segment-tree"
+
+
+def test_without_the_extension_auto_falls_back_and_forcing_says_why(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    reason = "torchrl._torchrl does not load (ImportError: undefined symbol)"
+    monkeypatch.setattr(priority, "_segment_trees", lambda: reason)
+    assert make_priority_index(4, "cpu").backend == "torch"
+    with pytest.raises(ValueError, match=r"'torchrl-segment-tree' is unavailable: .*undefined"):
+        make_priority_index(4, "cpu", "torchrl-segment-tree")
+
+
+@pytest.mark.parametrize(
+    ("module", "error"),
+    [
+        pytest.param(None, "ModuleNotFoundError", id="import-fails"),
+        pytest.param(types.ModuleType("torchrl._torchrl"), "AttributeError", id="no-trees"),
+    ],
+)
+def test_the_extension_loader_reports_failures_instead_of_raising(monkeypatch, module, error):
+    monkeypatch.setitem(sys.modules, "torchrl._torchrl", module)
+    reason = priority._segment_trees.__wrapped__()
+    assert isinstance(reason, str)
+    assert f"({error}: " in reason
+    assert "only loads with the torch TorchRL was built for" in reason
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_index_lives_on_the_gpu_and_matches_the_cpu_tree(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    index = make_priority_index(len(UNEVEN), "cuda")
+    assert index.backend == "torch"
+    weights = torch.tensor(UNEVEN, device="cuda")
+    index.set(torch.arange(len(UNEVEN), device="cuda"), weights)
+    items = draw(index, 60_000, 0)
+    assert (items.device.type, items.dtype) == ("cuda", torch.long)
+    assert chi_square_p(items, UNEVEN) > 0.001
+    got = index.get(items[:8])
+    assert (got.device.type, got.dtype) == ("cuda", torch.float32)
+    assert index.weights().device == torch.device("cpu")
+    cpu = index_with("torch", UNEVEN)
+    assert index.total() == cpu.total()
+    masses = torch.rand(4096, dtype=torch.float64) * cpu.total()
+    assert torch.equal(descend(index._sums, masses.cuda()).cpu(), descend(cpu._sums, masses))
+    with pytest.raises(ValueError, match="generator must live on the index's device"):
+        index.sample(4, torch.Generator().manual_seed(0))
