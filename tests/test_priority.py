@@ -1,4 +1,4 @@
-"""PriorityIndex on both backends.
+"""PriorityIndex on both backends, compute_importance_weights and sequence_priority.
 
 Three layers: named table cases with hand-computed values, a plain-Python reference (a list of
 float32 weights, last write wins) that hypothesis drives through random ``set`` sequences, and
@@ -21,9 +21,11 @@ from scipy import stats
 from replaybuf import priority
 from replaybuf.priority import (
     BACKEND_ENV,
+    compute_importance_weights,
     descend,
     make_priority_index,
     segment_tree_unavailable_reason,
+    sequence_priority,
 )
 
 MISSING = segment_tree_unavailable_reason()
@@ -392,6 +394,107 @@ def test_the_extension_loader_reports_failures_instead_of_raising(monkeypatch, m
     assert isinstance(reason, str)
     assert f"({error}: " in reason
     assert "only loads with the torch TorchRL was built for" in reason
+
+
+# --------------------------------------------------------------------------- importance weights
+@pytest.mark.parametrize(
+    ("beta", "expected"),
+    [
+        # P = (1/2, 1/4, 1/8, 1/8), N = 4: N·P = (2, 1, 1/2, 1/2), the max weight at P = 1/8.
+        pytest.param(0.0, [1.0, 1.0, 1.0, 1.0], id="beta-0"),
+        pytest.param(0.5, [0.5, 0.7071067811865476, 1.0, 1.0], id="beta-half"),  # 2^-1/2 / 2^1/2
+        pytest.param(1.0, [0.25, 0.5, 1.0, 1.0], id="beta-1"),  # (1/2) / 2
+    ],
+)
+def test_importance_weights_table(beta, expected):
+    probabilities = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    got = compute_importance_weights(probabilities, 4, beta)
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(expected, rel=1e-15)
+    # N cancels in the normalised weight; float32 in, float32 out.
+    got32 = compute_importance_weights(probabilities.float(), 1000, beta)
+    assert got32.dtype == torch.float32
+    assert got32.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_importance_weights_keep_their_shape_and_the_default_beta_is_memorax_s():
+    probabilities = torch.tensor([[0.1, 0.4], [0.4, 0.1]])
+    got = compute_importance_weights(probabilities, 10)
+    assert got.shape == (2, 2)
+    assert got[0, 1].item() == pytest.approx(4.0**-0.4, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("probabilities", "buffer_size", "beta", "match"),
+    [
+        pytest.param([0.5], 4, 1.5, r"beta must be a number in \[0, 1\], got 1.5", id="beta>1"),
+        pytest.param([0.5], 4, -0.1, r"beta must be a number in \[0, 1\], got -0.1", id="beta<0"),
+        pytest.param([0.5], 4, math.nan, r"beta must be .*got nan", id="beta-nan"),
+        pytest.param([0.5], 4, True, r"beta must be .*got True", id="beta-bool"),
+        pytest.param([0.5], 0, 0.4, r"buffer_size must be an int >= 1, got 0", id="size-0"),
+        pytest.param([0.5], 2.5, 0.4, r"buffer_size must be an int >= 1, got 2.5", id="size-f"),
+        pytest.param([0.5, 0.0], 4, 0.4, r"probabilities must be finite and > 0, got 0.0", id="0"),
+        pytest.param([-0.5], 4, 0.4, r"probabilities must be .* > 0, got -0.5", id="negative"),
+        pytest.param([math.nan], 4, 0.4, r"probabilities must be .* > 0, got nan", id="nan"),
+        pytest.param([1], 4, 0.4, r"probabilities must be floating point, got dtype torch.int64"),
+    ],
+)
+def test_importance_weights_refuse_bad_arguments(probabilities, buffer_size, beta, match):
+    with pytest.raises(ValueError, match=match):
+        compute_importance_weights(torch.tensor(probabilities), buffer_size, beta)
+
+
+# --------------------------------------------------------------------------- sequence priority
+@pytest.mark.parametrize(
+    ("eta", "expected"),
+    [
+        # rows: |δ| = (1, 3, 2): max 3, mean 2;  |δ| = (.5, .5, .5): max .5, mean .5
+        pytest.param(0.9, [0.9 * 3 + 0.1 * 2, 0.5], id="r2d2"),
+        pytest.param(1.0, [3.0, 0.5], id="max"),
+        pytest.param(0.0, [2.0, 0.5], id="mean"),
+    ],
+)
+def test_sequence_priority_table(eta, expected):
+    td_errors = torch.tensor([[1.0, -3.0, 2.0], [0.5, -0.5, 0.5]])
+    assert sequence_priority(td_errors, eta).tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_sequence_priority_ignores_padded_steps():
+    td_errors = torch.tensor([[1.0, -3.0, 10.0], [4.0, 4.0, 4.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    # row 0 sees (1, 3): 0.9 · 3 + 0.1 · 2; row 1 has no valid step
+    assert sequence_priority(td_errors, 0.9, mask).tolist() == pytest.approx([2.9, 0.0])
+    assert sequence_priority(td_errors, 0.9).tolist()[0] == pytest.approx(0.9 * 10 + 0.1 * 14 / 3)
+
+
+def test_sequence_priority_reduces_only_the_last_dim():
+    td_errors = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    got = sequence_priority(td_errors)
+    assert got.shape == (2, 3)
+    assert got[1, 2].item() == pytest.approx(0.9 * 23 + 0.1 * 21.5)
+    assert sequence_priority(torch.zeros(2, 0)).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"eta": 1.2}, r"eta must be a number in \[0, 1\], got 1.2", id="eta"),
+        pytest.param(
+            {"mask": torch.ones(2, 2, dtype=torch.bool)},
+            r"mask must be bool with the shape of td_errors \(2, 3\), got .* shape \(2, 2\)",
+            id="shape",
+        ),
+        pytest.param({"mask": torch.ones(2, 3)}, r"mask must be bool .*torch.float32", id="dtype"),
+    ],
+)
+def test_sequence_priority_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sequence_priority(torch.ones(2, 3), **kwargs)
+
+
+def test_sequence_priority_refuses_integer_td_errors():
+    with pytest.raises(ValueError, match="td_errors must be a floating point tensor"):
+        sequence_priority(torch.ones(2, 3, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- CUDA
