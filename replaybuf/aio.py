@@ -45,6 +45,11 @@ class EpisodeReplayBuffer:
         scratch_dir: str | os.PathLike | None = None,
         seed: int | None = None,
         min_steps: int = 0,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        priority_backend: str = "auto",
     ) -> None:
         self._attach(
             SyncEpisodeReplayBuffer(
@@ -56,6 +61,11 @@ class EpisodeReplayBuffer:
                 scratch_dir=scratch_dir,
                 seed=seed,
                 min_steps=min_steps,
+                prioritized=prioritized,
+                alpha=alpha,
+                beta=beta,
+                eps=eps,
+                priority_backend=priority_backend,
             )
         )
 
@@ -166,6 +176,13 @@ class EpisodeReplayBuffer:
 
     async def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
         return await self._call(self._sync.sample_episodes, k, replace=replace)
+
+    async def update_priorities(self, index: Any, priority: Any) -> int:
+        """See :meth:`SyncEpisodeReplayBuffer.update_priorities`."""
+        return await self._call(self._sync.update_priorities, index, priority)
+
+    async def set_beta(self, beta: float) -> None:
+        await self._call(self._sync.set_beta, beta)
 
     async def stats(self) -> dict[str, Any]:
         return await self._call(self._sync.stats)

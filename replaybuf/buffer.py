@@ -23,6 +23,13 @@ from replaybuf import buffer_checkpoint, metadata
 from replaybuf.args import index_tensor, int_at_least, positive_int
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.iterators import epoch_batches, epoch_order, num_batches
+from replaybuf.prioritized import (
+    Prioritizer,
+    check_beta,
+    check_priorities,
+    priority_stats,
+    ring_ids,
+)
 from replaybuf.schema import FieldSpec, Key, to_tensordict
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
 
@@ -42,6 +49,10 @@ class ReplayBuffer:
         scratch_dir: existing folder for memmap files; a private subfolder is created there
             and removed by ``close()``. Defaults to the system temporary folder (on disk).
         seed: seeds the sampling generator, for reproducible batches.
+        prioritized: sample ∝ priority^alpha with importance weights (see
+            :mod:`replaybuf.prioritized`); batches then carry ``index`` and ``weight``.
+        alpha, beta, eps: PER's exponent, importance-weight exponent and priority offset.
+        priority_backend: ``"auto"``, ``"torchrl-segment-tree"`` or ``"torch"``.
     """
 
     def __init__(
@@ -54,6 +65,11 @@ class ReplayBuffer:
         storage: str = "auto",
         scratch_dir: str | os.PathLike | None = None,
         seed: int | None = None,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        priority_backend: str = "auto",
     ) -> None:
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
@@ -62,6 +78,11 @@ class ReplayBuffer:
         if seed is not None:
             seed = int_at_least(seed, "seed", 0)
         self.print_gc_warning = print_gc_warning
+        self._priorities = (
+            Prioritizer(capacity, self.storing_device, alpha, beta, eps, priority_backend)
+            if prioritized
+            else None
+        )
         self._slots = SlotStorage(
             capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
@@ -72,6 +93,7 @@ class ReplayBuffer:
             self._generator.seed()
         self._pointer = 0
         self._size = 0
+        self._writes = 0  # rows ever written: row k's id is k, its slot k % capacity
         self._closed = False
         self._resets = 0  # lets an epoch iterator notice that its planned slots were dropped
         self._iterator: Iterator[TensorDict] | None = None
@@ -143,8 +165,16 @@ class ReplayBuffer:
         if buffer_size is not None:
             buffer_size = positive_int(buffer_size, "buffer_size")
         self._slots.reset(buffer_size)
+        if self._priorities is not None:
+            p = self._priorities
+            self._priorities = Prioritizer(
+                self.buffer_size, self.storing_device, p.alpha, p.beta, p.eps, p.backend
+            )
         self._pointer = 0
         self._size = 0
+        # Ids keep counting (an id from before the reset is never live again), from a multiple
+        # of the capacity so that id % capacity stays the slot.
+        self._writes = -(-self._writes // self.buffer_size) * self.buffer_size
         self._iterator = None
         self._resets += 1
         gc.collect()  # release the old storage's mapped files now, as ObjectRL does
@@ -188,8 +218,12 @@ class ReplayBuffer:
                 self._slots.extend(td[: rows % capacity])
             td = td[rows - capacity :]
         self._slots.extend(td)
+        if self._priorities is not None:  # overwritten items leave, new ones enter at the max
+            written = torch.arange(min(rows, capacity), device=self.storing_device)
+            self._priorities.admit((self._pointer + rows - 1 - written) % capacity)
         self._pointer = (self._pointer + rows) % capacity
         self._size = min(self._size + rows, capacity)
+        self._writes += rows
 
     # ----------------------------------------------------------------- reads
     def _require(self, batch_size: Any = _NO_BATCH_SIZE) -> None:
@@ -209,10 +243,55 @@ class ReplayBuffer:
     def sample_batch(self, batch_size: int) -> TensorDict:
         """``batch_size`` transitions drawn uniformly with replacement, on ``device``."""
         self._require(batch_size)
+        if self._priorities is not None:
+            slots, weight = self._priorities.draw(batch_size, self._generator)
+            return self._with_priority_keys(self._slots.gather(slots, self.device), slots, weight)
         slots = torch.randint(
             0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
         )
         return self._slots.gather(slots, self.device)
+
+    def _with_priority_keys(
+        self, td: TensorDict, slots: torch.Tensor, weight: torch.Tensor | None
+    ) -> TensorDict:
+        """Add ``index`` (ids for :meth:`update_priorities`) and ``weight`` to a batch."""
+        td.set("index", ring_ids(slots, self._writes, self.buffer_size).to(self.device))
+        if weight is None:  # an exhaustive epoch is not importance-sampled
+            weight = torch.ones(slots.shape, dtype=torch.float32)
+        td.set("weight", weight.to(self.device))
+        return td
+
+    def update_priorities(self, index: Any, priority: Any) -> int:
+        """Set the priorities of sampled items; returns how many were applied.
+
+        ``index`` holds ids from a batch's ``index``. An item overwritten since it was sampled
+        is skipped (never applied to its slot's new occupant). Raises ``IndexError`` for an id
+        that was never written, ``ValueError`` for a negative, NaN or infinite priority or a
+        length mismatch; then nothing is applied.
+        """
+        self._check_open()
+        if self._priorities is None:
+            raise ValueError("update_priorities needs a buffer made with prioritized=True")
+        ids = torch.as_tensor(index).reshape(-1)
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
+        ids = ids.to(device=self.storing_device, dtype=torch.long)
+        values = check_priorities(priority, ids.numel(), self.storing_device)
+        never = (ids < 0) | (ids >= self._writes)
+        if bool(never.any()):
+            raise IndexError(
+                f"index must hold ids of written items (in [0, {self._writes})), "
+                f"got {int(ids[never][0])}"
+            )
+        live = ids >= self._writes - self._size
+        self._priorities.update(ids[live] % self.buffer_size, values[live])
+        return int(live.sum())
+
+    def set_beta(self, beta: float) -> None:
+        """Change the importance-weight exponent (anneal it towards 1 during training)."""
+        if self._priorities is None:
+            raise ValueError("set_beta needs a buffer made with prioritized=True")
+        self._priorities.beta = check_beta(beta)
 
     def sample_random(self, batch_size: int) -> TensorDict:
         """Alias of :meth:`sample_batch` (ObjectRL's name)."""
@@ -282,7 +361,10 @@ class ReplayBuffer:
                         "epoch iterator expected the rows it planned, got a buffer reset since; "
                         "create a new iterator"
                     )
-                yield self._slots.gather(slots, self.device)
+                batch = self._slots.gather(slots, self.device)
+                if self._priorities is not None:
+                    batch = self._with_priority_keys(batch, slots, None)
+                yield batch
 
     def get_next_batch(self, batch_size: int) -> TensorDict:
         """The next batch of the installed epoch iterator, else a uniform random batch.
@@ -334,6 +416,7 @@ class ReplayBuffer:
             if self._slots.scratch_path is None
             else str(self._slots.scratch_path),
             "spec": None if self.spec is None else self.spec.to_json(),
+            **priority_stats(self._priorities),
         }
 
     # ----------------------------------------------------------------- metadata

@@ -43,7 +43,15 @@ if TYPE_CHECKING:
 
 KIND = "ReplayBuffer"
 GENERATOR = "sampler/generator_state"
-OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "print_gc_warning")
+PRIORITY = "priority/weights"
+OVERRIDES = (
+    "device",
+    "storing_device",
+    "storage",
+    "scratch_dir",
+    "print_gc_warning",
+    "priority_backend",
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,8 @@ class RingState:
     torchrl_write_count: int
     generator_device: str
     spec: FieldSpec | None
+    writes: int  # rows ever written (ids of update_priorities); >= size
+    priority: dict[str, float] | None  # alpha, beta, eps of a prioritized buffer
 
     def to_meta(self) -> dict[str, Any]:
         meta = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -102,8 +112,14 @@ def save(buffer: ReplayBuffer, directory: str | os.PathLike[str], durable: bool)
         torchrl_write_count=int(slots.memory.writer.state_dict()["_write_count"]),
         generator_device=buffer._generator.device.type,
         spec=buffer.spec,
+        writes=buffer._writes,
+        priority=None
+        if buffer._priorities is None
+        else {k: getattr(buffer._priorities, k) for k in ("alpha", "beta", "eps")},
     )
     tensors: dict[str, torch.Tensor] = {GENERATOR: buffer._generator.get_state()}
+    if buffer._priorities is not None:
+        tensors[PRIORITY] = buffer._priorities.tree.weights()
     if state.spec is not None:
         for key, name in row_tensor_names(state.spec).items():
             if size:
@@ -202,6 +218,19 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
     spec = _spec(meta.get("spec"), where)
     if spec is None and size:
         raise CorruptCheckpointError(f"{where}: size {size} expected 0 with no spec")
+    writes = _int(meta, "writes", where, low=size)
+    if writes % capacity != pointer:
+        raise CorruptCheckpointError(
+            f"{where}: meta 'writes' expected {pointer} modulo {capacity} (the pointer), "
+            f"got {writes}"
+        )
+    priority = meta.get("priority")
+    if priority is not None and (
+        not isinstance(priority, dict)
+        or sorted(priority) != ["alpha", "beta", "eps"]
+        or not all(isinstance(v, int | float) for v in priority.values())
+    ):
+        raise CorruptCheckpointError(f"{where}: meta 'priority' is malformed: {priority!r}")
     return RingState(
         capacity=capacity,
         size=size,
@@ -210,6 +239,8 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
         # TorchRL keeps its write count in a C int, which wraps negative after 2**31 rows
         torchrl_write_count=_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1),
         spec=spec,
+        writes=writes,
+        priority=priority,
         **strings,
     )
 
@@ -231,7 +262,15 @@ def check_tensors(checkpoint: Checkpoint, state: RingState, where: str) -> None:
                 f" dtype {field.dtype} from the spec and size, got shape {list(info.shape)}"
                 f" dtype {info.dtype}"
             )
-    extra = sorted(set(checkpoint.tensors) - set(names.values()) - {GENERATOR})
+    expected_priority = {PRIORITY} if state.priority is not None else set()
+    extra = sorted(set(checkpoint.tensors) - set(names.values()) - {GENERATOR} - expected_priority)
+    if state.priority is not None:
+        info = checkpoint.tensors.get(PRIORITY)
+        if info is None or info.shape != (state.capacity,):
+            got = None if info is None else f"shape {list(info.shape)}"
+            raise CorruptCheckpointError(
+                f"{where}: tensor {PRIORITY!r} expected shape [{state.capacity}], got {got}"
+            )
     if extra:
         raise CorruptCheckpointError(f"{where}: tensors {extra} belong to no field of the spec")
     info = checkpoint.tensors.get(GENERATOR)
@@ -273,6 +312,7 @@ def _constructor_kwargs(
         "buffer_size": state.capacity,
         "print_gc_warning": state.print_gc_warning,
         "storage": state.storage,
+        **({"prioritized": True, **state.priority} if state.priority is not None else {}),
         **overrides,
     }
     try:  # fail here, naming the checkpoint, rather than half-way through the constructor
@@ -314,7 +354,12 @@ def _restore(
             checkpoint.load_into(names[key], out, verify=True)  # streamed, hashed on the way
 
         buffer._slots.restore(state.size, state.pointer, state.torchrl_write_count, fill)
-    buffer._size, buffer._pointer = state.size, state.pointer
+    buffer._size, buffer._pointer, buffer._writes = state.size, state.pointer, state.writes
+    if buffer._priorities is not None:
+        weights = checkpoint.load(PRIORITY, verify=True)
+        if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+            raise CorruptCheckpointError(f"{PRIORITY} must hold finite weights >= 0")
+        buffer._priorities.tree.load(weights)
     _restore_generator(buffer._generator, generator_state, state.generator_device)
 
 

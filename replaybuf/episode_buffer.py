@@ -23,12 +23,15 @@ from replaybuf.args import int_at_least, positive_int
 from replaybuf.episodes import STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.iterators import epoch_batches, epoch_order
+from replaybuf.prioritized import Prioritizer, check_beta, check_priorities, priority_stats
 from replaybuf.sampling import (
     NArg,
+    draw_anchors,
     episode_record,
     nstep_batch,
     sample_sequence_starts,
     sequence_batch,
+    with_priority_keys,
 )
 from replaybuf.schema import FieldSpec
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
@@ -95,6 +98,11 @@ class SyncEpisodeReplayBuffer:
         scratch_dir: str | os.PathLike | None = None,
         seed: int | None = None,
         min_steps: int = 0,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        priority_backend: str = "auto",
     ) -> None:
         self.max_steps = positive_int(max_steps, "max_steps")
         self.max_episodes = (
@@ -106,10 +114,16 @@ class SyncEpisodeReplayBuffer:
         kind = resolve_kind(storage, self.storing_device)
         seed = None if seed is None else int_at_least(seed, "seed", 0)
         rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
+        priorities = (
+            Prioritizer(rows, self.storing_device, alpha, beta, eps, priority_backend)
+            if prioritized
+            else None
+        )
         slots = SlotStorage(
             rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
         self._core = EpisodeCore(slots, self.max_steps, self.max_episodes)
+        self._core.priorities = priorities
         self._generator = torch.Generator(device=self.storing_device)
         if seed is None:
             self._generator.seed()
@@ -225,12 +239,9 @@ class SyncEpisodeReplayBuffer:
         batch_size = positive_int(batch_size, "batch_size")
         n, gamma = check_n(n), check_gamma(gamma)
         self._require_steps("sample")
-        anchors = self._core.anchors
-        if replace:
-            start = anchors.sample(batch_size, self._generator)
-        else:
-            start = anchors.sample_distinct(batch_size, self._generator)
-        return nstep_batch(self._core, start, n, gamma, self.device, self._generator)
+        start, weight = draw_anchors(self._core, batch_size, replace, self._generator)
+        batch = nstep_batch(self._core, start, n, gamma, self.device, self._generator)
+        return with_priority_keys(self._core, batch, start, weight)
 
     def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
         """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
@@ -243,9 +254,13 @@ class SyncEpisodeReplayBuffer:
         self._require_steps("sample sequences")
         if strict:
             start = sample_sequence_starts(self._core, batch_size, seq_len, self._generator)
+            weight = (
+                None if self._core.priorities is None else self._core.priorities.importance(start)
+            )
         else:
-            start = self._core.anchors.sample(batch_size, self._generator)
-        return sequence_batch(self._core, start, seq_len, self.device)
+            start, weight = draw_anchors(self._core, batch_size, True, self._generator)
+        batch = sequence_batch(self._core, start, seq_len, self.device)
+        return with_priority_keys(self._core, batch, start, weight)
 
     def iterate_epochs(
         self,
@@ -286,7 +301,36 @@ class SyncEpisodeReplayBuffer:
                 start, owner = rows[picks], owners[picks]
                 still = core.anchors.contains(start) & (core.links.episode[start] == owner)
                 if bool(still.any()):
-                    yield nstep_batch(core, start[still], n, gamma, self.device, self._generator)
+                    start = start[still]
+                    batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+                    yield with_priority_keys(core, batch, start, None)
+
+    def update_priorities(self, index: Any, priority: Any) -> int:
+        """Set the priorities of sampled steps (by a batch's ``index``); returns how many applied.
+
+        A step evicted since it was sampled, or whose row now holds another step, is skipped.
+        Raises ``IndexError`` for an id no step ever had and ``ValueError`` for a negative, NaN
+        or infinite priority or a length mismatch; then nothing is applied.
+        """
+        self._check_open()
+        priorities = self._core.priorities
+        if priorities is None:
+            raise ValueError("update_priorities needs a buffer made with prioritized=True")
+        ids = torch.as_tensor(index).reshape(-1)
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
+        ids = ids.to(device=self.storing_device, dtype=torch.long)
+        values = check_priorities(priority, ids.numel(), self.storing_device)
+        self._core.flush()
+        rows, live = self._core.live_rows(ids)
+        priorities.update(rows[live], values[live])
+        return int(live.sum())
+
+    def set_beta(self, beta: float) -> None:
+        """Change the importance-weight exponent (anneal it towards 1 during training)."""
+        if self._core.priorities is None:
+            raise ValueError("set_beta needs a buffer made with prioritized=True")
+        self._core.priorities.beta = check_beta(beta)
 
     # ----------------------------------------------------------------- episodes
     def get_episode(self, episode_id: int) -> TensorDict:
@@ -342,6 +386,7 @@ class SyncEpisodeReplayBuffer:
             "device": str(self.device),
             "storing_device": str(self.storing_device),
             "bytes": core.slots.stored_bytes() + core.links.nbytes + 2 * core.anchors.rows.nbytes,
+            **priority_stats(core.priorities),
         }
 
     def clear(self) -> None:

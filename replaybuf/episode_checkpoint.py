@@ -7,7 +7,8 @@ A checkpoint holds::
              observation spec of a buffer that has only zero-step episodes, and the episode
              table: [id, agent, seq, end_kind, steps, has_final_row] in start order
     tensors  rows/<field>             storage rows [0, high_water) (streamed from storage)
-             links/{next_row,episode,step,end_kind}   per-row bookkeeping, [rows]
+             links/{next_row,episode,step,end_kind,alloc}   per-row bookkeeping, [rows]
+             priority/weights         p^alpha per row (prioritized buffers only), [rows]
              index/anchors            the anchor rows in sampling order (so draws repeat)
              index/free               the free rows, in the order they will be handed out
              index/episode_rows       every episode's rows (then its final row), concatenated
@@ -37,14 +38,16 @@ from replaybuf.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from replaybuf.episodes import Episode, _nest
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
 from replaybuf.index import END_NONE
+from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, key_name
 
 if TYPE_CHECKING:
     from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 
 KIND = "EpisodeReplayBuffer"
-LINKS = ("next_row", "episode", "step", "end_kind")
-OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "min_steps")
+LINKS = ("next_row", "episode", "step", "end_kind", "alloc")
+PRIORITY = "priority/weights"
+OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "min_steps", "priority_backend")
 _STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
 
 
@@ -75,6 +78,8 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
     }
     for name in LINKS:
         tensors[f"links/{name}"] = getattr(core.links, name).clone()
+    if core.priorities is not None:
+        tensors[PRIORITY] = core.priorities.tree.weights()
     if spec is not None:
         for key, name in row_tensor_names(spec).items():
             tensors[name] = core.slots.column(key)[:high_water]  # a view, streamed later
@@ -94,6 +99,8 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
         "generator_device": buffer._generator.device.type,
         "next_id": core.next_id,
         "next_seq": core.next_seq,
+        "allocations": core.allocations,
+        **_priority_meta(core.priorities),
         "steps": core.steps,
         "valid_steps": core.valid_steps,
         "evicted": core.evicted,
@@ -107,6 +114,17 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
         "episodes_by_status": {s: sum(e.status == s for e in episodes) for s in _STATUS.values()},
     }
     return Snapshot(meta, tensors)
+
+
+def _priority_meta(priorities: Prioritizer | None) -> dict[str, Any]:
+    if priorities is None:
+        return {"prioritized": False}
+    return {
+        "prioritized": True,
+        "alpha": priorities.alpha,
+        "beta": priorities.beta,
+        "eps": priorities.eps,
+    }
 
 
 def write(directory: str | os.PathLike[str], snap: Snapshot, durable: bool) -> Path:
@@ -153,6 +171,7 @@ def load(
             "storing_device": meta["storing_device"],
             "storage": meta["storage"],
             "min_steps": meta["min_steps"],
+            **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
             **overrides,
         }
         buffer = cls(meta["max_steps"], **kwargs)
@@ -178,6 +197,9 @@ def check(checkpoint: Checkpoint, where: str) -> Saved:
     rows = _int(meta, "rows", where, low=max_steps)
     for name in ("next_id", "next_seq", "steps", "valid_steps", "evicted", "min_steps"):
         _int(meta, name, where, low=0)
+    allocations = _int(meta, "allocations", where, low=0)
+    if not isinstance(meta.get("prioritized"), bool):
+        raise CorruptCheckpointError(f"{where}: meta 'prioritized' expected a bool")
     high_water = _int(meta, "high_water", where, low=0, high=rows)
     if meta.get("max_episodes") is not None:
         _int(meta, "max_episodes", where, low=1)
@@ -190,10 +212,28 @@ def check(checkpoint: Checkpoint, where: str) -> Saved:
         small[name] = checkpoint.load(name, verify=True)
     for name in LINKS:
         small[f"links/{name}"] = checkpoint.load(f"links/{name}", verify=True)
+    if meta["prioritized"]:
+        small[PRIORITY] = checkpoint.load(PRIORITY, verify=True)
     saved = Saved(meta, spec, first, table, small)
     _check_rows(checkpoint, saved, high_water, where)
     _check_links(saved, rows, where)
+    _check_priorities(saved, rows, allocations, where)
     return saved
+
+
+def _check_priorities(saved: Saved, rows: int, allocations: int, where: str) -> None:
+    """Allocation ids below the count; weights (if any) >= 0 and 0 where no step can start."""
+    alloc = saved.small["links/alloc"]
+    if alloc.numel() and int(alloc.max()) >= allocations:
+        raise CorruptCheckpointError(f"{where}: links/alloc holds ids >= allocations={allocations}")
+    weights = saved.small.get(PRIORITY)
+    if weights is None:
+        return
+    anchors = saved.small["links/next_row"] >= 0
+    if weights.shape != (rows,) or not bool(torch.isfinite(weights).all()):
+        raise CorruptCheckpointError(f"{where}: {PRIORITY} expected {rows} finite weights")
+    if bool(((weights != 0) & ~anchors).any()) or bool((weights < 0).any()):
+        raise CorruptCheckpointError(f"{where}: {PRIORITY} must be >= 0, and 0 off the anchors")
 
 
 def _is_entry(entry: object) -> bool:
@@ -225,8 +265,9 @@ def _check_rows(checkpoint: Checkpoint, saved: Saved, high_water: int, where: st
 def _check_links(saved: Saved, rows: int, where: str) -> None:
     """Each episode's rows chain through ``next_row``, owned and numbered; sets agree."""
     s, meta = saved.small, saved.meta
-    next_row, owner, step, end_kind = (s[f"links/{n}"] for n in LINKS)
-    for name, tensor in zip(LINKS, (next_row, owner, step, end_kind), strict=True):
+    next_row, owner, step, end_kind = (s[f"links/{n}"] for n in LINKS[:4])
+    for name in LINKS:
+        tensor = s[f"links/{name}"]
         if tensor.shape != (rows,):
             raise CorruptCheckpointError(
                 f"{where}: links/{name} expected shape [{rows}], got {list(tensor.shape)}"
@@ -297,6 +338,9 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
     for name in LINKS:
         getattr(core.links, name).copy_(s[f"links/{name}"].to(device))
     core.anchors.add(s["index/anchors"].to(device))
+    core.allocations = meta["allocations"]
+    if core.priorities is not None and PRIORITY in s:
+        core.priorities.tree.load(s[PRIORITY])
     core.free = s["index/free"].tolist()
     _restore_table(buffer, saved, checkpoint)
     for name in ("next_id", "next_seq", "steps", "valid_steps"):

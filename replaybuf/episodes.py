@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from replaybuf.anchors import AnchorSet
 from replaybuf.errors import EpisodeStateError, ReplayBufError, SchemaError
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
+from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
 from replaybuf.storage import SlotStorage, build_tensordict
@@ -103,6 +104,9 @@ class RowLinks:
         self.episode = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.step = torch.zeros(capacity, dtype=torch.long, device=device)
         self.end_kind = torch.zeros(capacity, dtype=torch.int8, device=device)
+        # Which allocation of the row holds it now: an id handed out with a sample stays
+        # recognisable after the row is freed and reused (see EpisodeCore.row_ids).
+        self.alloc = torch.full((capacity,), -1, dtype=torch.long, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +137,9 @@ class EpisodeCore:
         self.valid_steps = 0
         self.evicted = 0
         self._stager: RowStager | None = None  # created once the spec is known
-        self._staged_meta: list[tuple[int, int, int, int]] = []  # row, episode, step, end_kind
+        self._staged_meta: list[tuple[int, int, int, int, int]] = []  # row, ep, step, kind, alloc
+        self.allocations = 0  # rows ever handed out
+        self.priorities: Prioritizer | None = None  # set by a prioritized buffer
         self._staged_links: list[tuple[int, int]] = []  # row -> next row
         self._filler: dict[Key, torch.Tensor] | None = None  # action/reward/extras zeros
         # Observation fields fixed by a zero-step episode's final observation, before any step
@@ -287,6 +293,8 @@ class EpisodeCore:
             self.links.next_row[rows_t] = -1
             self.links.episode[rows_t] = -1
             self.links.end_kind[rows_t] = END_NONE
+            if self.priorities is not None:
+                self.priorities.remove(rows_t)  # evicted steps leave the distribution at once
             (self.quarantine if self.pinned else self.free).extend(reversed(rows))
         self.steps -= episode.steps
         self.valid_steps -= episode.valid_steps
@@ -321,7 +329,9 @@ class EpisodeCore:
             self.slots.prepare(FieldSpec.of(rows, 1))
         new_rows = [self.free.pop() for _ in episodes]
         for episode, row in zip(episodes, new_rows, strict=True):
-            self._staged_meta.append((row, episode.episode_id, episode.steps, END_NONE))
+            self._staged_meta.append(
+                (row, episode.episode_id, episode.steps, END_NONE, self._allocate())
+            )
             if episode.rows:
                 self._link(episode.rows[-1], row)
             episode.rows.append(row)
@@ -333,7 +343,9 @@ class EpisodeCore:
         if episode.rows:
             self.make_room(0, 1, 0, {episode.episode_id})
             row = self.free.pop()
-            self._staged_meta.append((row, episode.episode_id, episode.steps, end_kind))
+            self._staged_meta.append(
+                (row, episode.episode_id, episode.steps, end_kind, self._allocate())
+            )
             self._link(episode.rows[-1], row)
             episode.final_row = row
             self._stage([row], {key: value.unsqueeze(0) for key, value in final.items()})
@@ -345,6 +357,32 @@ class EpisodeCore:
                 self._first_obs_spec = FieldSpec.of(final, 0)
         episode.end_kind = end_kind
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
+
+    def _allocate(self) -> int:
+        self.allocations += 1
+        return self.allocations - 1
+
+    def row_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Ids of the rows' current contents: allocation * capacity + row (unique for life)."""
+        return self.links.alloc.index_select(0, rows) * self.slots.capacity + rows
+
+    def live_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, live)`` for ids from :meth:`row_ids`; live: still that row's anchor.
+
+        Raises ``IndexError`` for an id no row ever had.
+        """
+        capacity = self.slots.capacity
+        never = (ids < 0) | (ids // capacity >= self.allocations)
+        if bool(never.any()):
+            raise IndexError(
+                f"index must hold ids of sampled steps, got {int(ids[never][0])}, which no "
+                "step ever had"
+            )
+        rows = ids % capacity
+        live = (self.links.alloc.index_select(0, rows) == ids // capacity) & (
+            self.links.next_row.index_select(0, rows) >= 0
+        )
+        return rows, live
 
     def _link(self, row: int, next_row: int) -> None:
         self._staged_links.append((row, next_row))
@@ -380,10 +418,13 @@ class EpisodeCore:
         self.links.episode[meta[:, 0]] = meta[:, 1]
         self.links.step[meta[:, 0]] = meta[:, 2]
         self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
+        self.links.alloc[meta[:, 0]] = meta[:, 4]
         if self._staged_links:
             links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
             self.links.next_row[links[:, 0]] = links[:, 1]
             self.anchors.add(links[:, 0])
+            if self.priorities is not None:
+                self.priorities.admit(links[:, 0])  # new steps enter at the current maximum
         self._staged_meta, self._staged_links = [], []
 
     def clear(self) -> None:

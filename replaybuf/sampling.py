@@ -180,19 +180,64 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
     return out
 
 
+def draw_anchors(
+    core: EpisodeCore, batch_size: int, replace: bool, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Start rows for a batch, uniform over valid steps or ∝ priority; and importance weights.
+
+    Without replacement a prioritized draw uses ``torch.multinomial`` over every row's weight
+    (O(rows)); with replacement it descends the priority tree (O(B log rows)).
+    """
+    priorities = core.priorities
+    if priorities is None:
+        if replace:
+            return core.anchors.sample(batch_size, generator), None
+        return core.anchors.sample_distinct(batch_size, generator), None
+    if replace:
+        return priorities.draw(batch_size, generator)
+    weights = priorities.tree.weights().to(device=generator.device, dtype=torch.float64)
+    count = min(batch_size, int((weights > 0).sum()))
+    start = torch.multinomial(weights, count, replacement=False, generator=generator)
+    return start.to(core.slots.storing_device), priorities.importance(start)
+
+
+def with_priority_keys(
+    core: EpisodeCore, batch: TensorDict, start: torch.Tensor, weight: torch.Tensor | None
+) -> TensorDict:
+    """Add ``index`` (ids for ``update_priorities``) and ``weight`` to a prioritized batch."""
+    if core.priorities is None:
+        return batch
+    if weight is None:  # an exhaustive epoch is not importance-sampled
+        weight = torch.ones(start.shape, dtype=torch.float32)
+    device = batch.device
+    ids = core.row_ids(start)
+    if batch.batch_dims == 2:  # sequences: the priority belongs to the start step
+        length = batch.batch_size[1]
+        ids = ids.unsqueeze(1).expand(-1, length)
+        weight = weight.unsqueeze(1).expand(-1, length)
+    batch.set("index", ids.to(device))
+    batch.set("weight", weight.to(device))
+    return batch
+
+
 def sample_sequence_starts(
     core: EpisodeCore, batch_size: int, length: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """``batch_size`` anchors, uniform over those with ``length`` steps ahead in their episode.
+    """``batch_size`` anchors with ``length`` steps ahead in their episode, drawn uniformly (or
+    ∝ priority) among those.
 
-    Rejection sampling from uniform anchors is exact and O(B · length) when most anchors
-    qualify; when few do, an exact scan over all anchors takes over.
+    Rejection from the unrestricted draw is exact and O(B · length) when most anchors qualify;
+    when few do, an exact scan over all anchors takes over.
     """
-    links, anchors = core.links, core.anchors
+    links, anchors, priorities = core.links, core.anchors, core.priorities
     found: list[torch.Tensor] = []
     need = batch_size
     for _ in range(4):
-        candidates = anchors.sample(max(2 * need, 64), generator)
+        draws = max(2 * need, 64)
+        if priorities is None:
+            candidates = anchors.sample(draws, generator)
+        else:
+            candidates = priorities.tree.sample(draws, generator)
         ok = candidates[qualifies(candidates, length, links.next_row)]
         found.append(ok[:need])
         need -= int(found[-1].shape[0])
@@ -205,8 +250,12 @@ def sample_sequence_starts(
             f"cannot sample sequences: no stored episode has {length} consecutive steps "
             "(use strict=False to pad shorter ones)"
         )
-    picks = torch.randint(
-        0, eligible.shape[0], (need,), generator=generator, device=eligible.device
-    )
+    if priorities is None:
+        picks = torch.randint(
+            0, eligible.shape[0], (need,), generator=generator, device=eligible.device
+        )
+    else:
+        weights = priorities.tree.get(eligible).to(torch.float64)
+        picks = torch.multinomial(weights, need, replacement=True, generator=generator)
     found.append(eligible[picks])
     return torch.cat(found)

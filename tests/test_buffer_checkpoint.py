@@ -302,6 +302,8 @@ def test_missing_and_stray_tensors_are_refused(tmp_path, scratch):
         "torchrl_write_count": 2,
         "generator_device": "cpu",
         "spec": spec,
+        "writes": 2,
+        "priority": None,
     }
     state = torch.Generator().get_state()
     write_checkpoint(tmp_path / "a", "ReplayBuffer", meta, {"sampler/generator_state": state})

@@ -1,0 +1,129 @@
+"""Proportional prioritization (Schaul et al. 2016) over a buffer's item slots.
+
+Item i is drawn with probability P(i) = p_i^α / Σ_j p_j^α and weighted by PER's importance
+weight w_i = (N·P(i))^-β / max_j (N·P(j))^-β. The maximum is reached at the smallest stored
+probability, so N cancels: w_i = (P(i) / P_min)^-β. New items enter at the current maximum
+weight (1 when nothing is stored); removed or overwritten items get weight 0 at once.
+
+The buffers map their own ids (which detect an overwritten slot) to items; this module only
+knows items, weights and the tree in :mod:`replaybuf.priority`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from replaybuf.priority import PriorityIndex
+
+
+def check_alpha(alpha: Any) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha >= 0:
+        raise ValueError(f"alpha must be a number >= 0, got {alpha!r}")
+    return float(alpha)
+
+
+def check_beta(beta: Any) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta <= 1:
+        raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
+    return float(beta)
+
+
+def check_eps(eps: Any) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def ring_ids(slots: torch.Tensor, writes: int, capacity: int) -> torch.Tensor:
+    """The id (write number) of the row each ring slot holds after ``writes`` writes."""
+    return writes - 1 - (writes - 1 - slots) % capacity
+
+
+def check_priorities(priority: Any, count: int, device: torch.device) -> torch.Tensor:
+    """``priority`` as a float tensor of ``count`` finite values >= 0, else a clear error."""
+    if isinstance(priority, int | float) and not isinstance(priority, bool):
+        priority = [priority] * count
+    values = torch.as_tensor(priority, dtype=torch.float64).reshape(-1)
+    if values.numel() != count:
+        raise ValueError(
+            f"priority must have one value per index: expected {count}, got {values.numel()}"
+        )
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        first = values[bad][0].item()
+        raise ValueError(f"priority must be finite and >= 0, got {first}")
+    return values.to(device)
+
+
+class Prioritizer:
+    """Weights p^α of a buffer's items, PER sampling and importance weights."""
+
+    def __init__(
+        self,
+        capacity: int,
+        device: torch.device,
+        alpha: float,
+        beta: float,
+        eps: float,
+        backend: str = "auto",
+    ) -> None:
+        from replaybuf.priority import make_priority_index  # only prioritized buffers need it
+
+        self.alpha, self.beta, self.eps = check_alpha(alpha), check_beta(beta), check_eps(eps)
+        self.tree: PriorityIndex = make_priority_index(capacity, device, backend)
+
+    @property
+    def backend(self) -> str:
+        return self.tree.backend
+
+    def admit(self, items: torch.Tensor) -> None:
+        """New items enter at the current maximum weight (1 when nothing is stored)."""
+        if items.numel() == 0:
+            return
+        top = self.tree.max()
+        weight = top if top > 0 else 1.0
+        self.tree.set(
+            items, torch.full(items.shape, weight, dtype=torch.float64, device=items.device)
+        )
+
+    def remove(self, items: torch.Tensor) -> None:
+        """Items that left the buffer: never drawn again."""
+        if items.numel():
+            self.tree.set(items, torch.zeros(items.shape, dtype=torch.float64, device=items.device))
+
+    def update(self, items: torch.Tensor, priority: torch.Tensor) -> None:
+        """Set p = priority + eps for ``items`` (already checked and still stored)."""
+        if items.numel():
+            self.tree.set(items, (priority + self.eps) ** self.alpha)
+
+    def draw(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` items drawn ∝ weight, and their importance weights (float32 ``[B]``)."""
+        items = self.tree.sample(batch_size, generator)
+        return items, self.importance(items)
+
+    def importance(self, items: torch.Tensor) -> torch.Tensor:
+        """(P(i) / P_min)^-β, the PER weight normalised by its maximum over stored items."""
+        smallest = self.tree.min_positive()
+        if not math.isfinite(smallest) or self.beta == 0:
+            return torch.ones(items.shape, dtype=torch.float32, device=items.device)
+        ratio = self.tree.get(items).to(torch.float64) / smallest
+        return ratio.pow(-self.beta).to(torch.float32)
+
+
+def priority_stats(priorities: Prioritizer | None) -> dict[str, Any]:
+    """The ``stats()`` entries about prioritization (which backend runs, α, β)."""
+    if priorities is None:
+        return {"prioritized": False, "priority_backend": None}
+    return {
+        "prioritized": True,
+        "priority_backend": priorities.backend,
+        "alpha": priorities.alpha,
+        "beta": priorities.beta,
+        "eps": priorities.eps,
+    }

@@ -1,0 +1,295 @@
+"""Prioritized replay on both buffers: the sampling law, PER weights, stale updates, eviction,
+bad input and checkpoints. References are computed here, in float64, from the priorities set."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf.priority import make_priority_index
+
+
+def _extension_loads() -> bool:
+    try:
+        make_priority_index(4, "cpu", "torchrl-segment-tree")
+    except (ValueError, RuntimeError, ImportError):
+        return False
+    return True
+
+
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "torchrl-segment-tree",
+        marks=pytest.mark.skipif(not _extension_loads(), reason="torchrl._torchrl does not load"),
+    ),
+]
+
+
+def ring(tmp_path: Path, backend: str, capacity: int = 8, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(
+        "cpu", "cpu", capacity, scratch_dir=tmp_path, seed=0, prioritized=True,
+        priority_backend=backend, **kwargs,
+    )  # fmt: skip
+
+
+def add(buf: ReplayBuffer, first: int, count: int) -> None:
+    buf.add_batch({"x": torch.arange(first, first + count, dtype=torch.float32)})
+
+
+def law(priorities: dict[int, float], alpha: float, eps: float) -> dict[int, float]:
+    """P(i) = (p_i + eps)^alpha / sum_j (p_j + eps)^alpha, the slow obvious way."""
+    powered = {i: (p + eps) ** alpha for i, p in priorities.items()}
+    total = sum(powered.values())
+    return {i: v / total for i, v in powered.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_samples_by_priority_and_weights_follow_per(tmp_path: Path, backend: str) -> None:
+    alpha, beta, eps = 0.7, 0.5, 1e-3
+    with ring(tmp_path, backend, alpha=alpha, beta=beta, eps=eps) as buf:
+        add(buf, 0, 8)
+        ids = buf.sample_batch(64)["index"].unique()
+        priorities = {int(x): float(x) % 5 + 0.5 for x in range(8)}  # item x is value x
+        applied = buf.update_priorities(list(priorities), list(priorities.values()))
+        assert applied == 8
+        assert ids.numel() > 0
+        expected = law(priorities, alpha, eps)
+        draws = 40_000
+        batch = buf.sample_batch(draws)
+        counts = Counter(int(v) for v in batch["x"])
+        observed = [counts[i] for i in range(8)]
+        assert chisquare(observed, [expected[i] * draws for i in range(8)]).pvalue > 1e-3
+        n = len(buf)
+        per = {i: (n * p) ** -beta for i, p in expected.items()}
+        top = max(per.values())
+        for x, w in zip(batch["x"][:200].tolist(), batch["weight"][:200].tolist(), strict=True):
+            assert w == pytest.approx(per[int(x)] / top, rel=1e-5)
+
+
+def test_new_items_enter_at_the_current_maximum(tmp_path: Path) -> None:
+    with ring(tmp_path, "torch", alpha=1.0, eps=0.0) as buf:
+        add(buf, 0, 2)
+        assert buf.update_priorities([0, 1], [3.0, 1.0]) == 2
+        add(buf, 2, 1)  # enters at max(3, 1) = 3
+        expected = law({0: 3.0, 1: 1.0, 2: 3.0}, 1.0, 0.0)
+        counts = Counter(int(v) for v in buf.sample_batch(30_000)["x"])
+        observed = [counts[i] for i in range(3)]
+        assert chisquare(observed, [expected[i] * 30_000 for i in range(3)]).pvalue > 1e-3
+
+
+def test_an_overwritten_item_is_skipped_not_applied_to_the_new_occupant(tmp_path: Path) -> None:
+    with ring(tmp_path, "torch", capacity=4, alpha=1.0, eps=0.0) as buf:
+        add(buf, 0, 4)
+        old = buf.sample_by_index([0])  # slot 0 holds id 0
+        assert old["x"].item() == 0
+        add(buf, 4, 1)  # id 4 overwrites slot 0
+        assert buf.update_priorities([0, 1], [100.0, 2.0]) == 1  # id 0 is gone: skipped
+        counts = Counter(int(v) for v in buf.sample_batch(20_000)["x"])
+        assert counts[0] == 0  # the overwritten item left the distribution
+        expected = law({4: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, 1.0, 0.0)
+        observed = [counts[i] for i in (4, 1, 2, 3)]
+        assert chisquare(observed, [expected[i] * 20_000 for i in (4, 1, 2, 3)]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("index", "priority", "error", "match"),
+    [
+        ([0, 1], [1.0], ValueError, "expected 2, got 1"),
+        ([0], [-1.0], ValueError, "finite and >= 0, got -1"),
+        ([0], [float("nan")], ValueError, "finite and >= 0, got nan"),
+        ([0], [float("inf")], ValueError, "finite and >= 0, got inf"),
+        ([99], [1.0], IndexError, r"ids of written items \(in \[0, 4\)\), got 99"),
+        ([-1], [1.0], IndexError, "got -1"),
+        ([0.5], [1.0], TypeError, "integer ids"),
+    ],
+)
+def test_bad_priority_updates_raise_and_change_nothing(
+    tmp_path: Path, index, priority, error, match
+) -> None:
+    with ring(tmp_path, "torch", capacity=4) as buf:
+        add(buf, 0, 4)
+        before = buf._priorities.tree.weights().clone()
+        with pytest.raises(error, match=match):
+            buf.update_priorities(index, priority)
+        assert torch.equal(buf._priorities.tree.weights(), before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"alpha": -0.1}, "alpha must be a number >= 0, got -0.1"),
+        ({"beta": 1.5}, r"beta must lie in \[0, 1\], got 1.5"),
+        ({"eps": -1}, "eps must be a number >= 0, got -1"),
+        ({"priority_backend": "magic"}, "magic"),
+    ],
+)
+def test_bad_priority_settings_are_refused_at_construction(tmp_path: Path, kwargs, match) -> None:
+    settings = {"priority_backend": "auto", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path, prioritized=True, **settings)
+    assert not list(tmp_path.glob("replaybuf-*"))
+
+
+def test_set_beta_anneals_and_is_checked(tmp_path: Path) -> None:
+    with ring(tmp_path, "torch", beta=0.4) as buf:
+        add(buf, 0, 4)
+        buf.update_priorities([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+        buf.set_beta(1.0)
+        assert buf.stats()["beta"] == 1.0
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\], got 2"):
+            buf.set_beta(2)
+        assert buf.stats()["beta"] == 1.0
+
+
+def test_stats_say_which_backend_runs(tmp_path: Path) -> None:
+    with ring(tmp_path, "torch") as buf:
+        assert (buf.stats()["prioritized"], buf.stats()["priority_backend"]) == (True, "torch")
+    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as plain:
+        assert plain.stats()["prioritized"] is False
+
+
+def test_update_priorities_on_a_uniform_buffer_says_so(tmp_path: Path) -> None:
+    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as plain:
+        add(plain, 0, 2)
+        with pytest.raises(ValueError, match="prioritized=True"):
+            plain.update_priorities([0], [1.0])
+
+
+def test_ring_priorities_survive_a_checkpoint_exactly(tmp_path: Path) -> None:
+    with ring(tmp_path, "torch", capacity=6) as buf:
+        add(buf, 0, 9)
+        batch = buf.sample_batch(6)
+        buf.update_priorities(batch["index"], torch.arange(6, dtype=torch.float32))
+        buf.save_checkpoint(tmp_path / "ck")
+        with ReplayBuffer.load_checkpoint(tmp_path / "ck", scratch_dir=tmp_path) as back:
+            assert torch.equal(back._priorities.tree.weights(), buf._priorities.tree.weights())
+            for _ in range(3):
+                assert (back.sample_batch(16) == buf.sample_batch(16)).all()
+            assert back.update_priorities(batch["index"], [1.0] * 6) == buf.update_priorities(
+                batch["index"], [1.0] * 6
+            )
+
+
+# --------------------------------------------------------------------------- episodes
+def episodes(tmp_path: Path, **kwargs) -> SyncEpisodeReplayBuffer:
+    return SyncEpisodeReplayBuffer(
+        kwargs.pop("max_steps", 100), scratch_dir=tmp_path, seed=0, prioritized=True,
+        priority_backend="torch", **kwargs,
+    )  # fmt: skip
+
+
+def write(buf: SyncEpisodeReplayBuffer, steps: int, end: bool = True) -> int:
+    e = buf.start_episode()
+    for t in range(steps):
+        buf.append_observation_action_reward(e, torch.tensor([float(e), float(t)]), t, 1.0)
+    if end:
+        buf.end_episode(e, "terminated", final_observation=torch.tensor([float(e), float(steps)]))
+    return e
+
+
+def test_n_step_starts_are_drawn_by_their_priority(tmp_path: Path) -> None:
+    with episodes(tmp_path, alpha=1.0, eps=0.0) as buf:
+        a, b = write(buf, 3), write(buf, 2)
+        batch = buf.sample_n_step(5, n=2, replace=False)
+        keyed = {
+            (int(e), int(t)): i
+            for e, t, i in zip(
+                batch["episode_id"], batch["start_step"], batch["index"], strict=True
+            )
+        }
+        priorities = {(a, 0): 1.0, (a, 1): 2.0, (a, 2): 3.0, (b, 0): 4.0, (b, 1): 0.5}
+        assert buf.update_priorities([keyed[k] for k in priorities], list(priorities.values())) == 5
+        expected = law(priorities, 1.0, 0.0)
+        draws = buf.sample_n_step(30_000, n=2)
+        counts = Counter(
+            zip(draws["episode_id"].tolist(), draws["start_step"].tolist(), strict=True)
+        )
+        keys = list(priorities)
+        observed = [counts[k] for k in keys]
+        assert chisquare(observed, [expected[k] * 30_000 for k in keys]).pvalue > 1e-3
+        smallest = min(expected.values())
+        for e, t, w in zip(
+            draws["episode_id"][:100].tolist(),
+            draws["start_step"][:100].tolist(),
+            draws["weight"][:100].tolist(),
+            strict=True,
+        ):
+            assert w == pytest.approx(
+                (expected[(e, t)] / smallest) ** -buf.stats()["beta"], rel=1e-5
+            )
+
+
+def test_evicted_steps_leave_the_distribution_and_their_updates_are_skipped(tmp_path: Path) -> None:
+    with episodes(tmp_path, max_steps=4) as buf:
+        old = write(buf, 3)
+        index = buf.sample_n_step(3, replace=False)["index"]
+        write(buf, 3)  # evicts `old`
+        assert buf.stats()["evicted_episodes"] == 1
+        assert buf.update_priorities(index, [5.0, 5.0, 5.0]) == 0
+        assert old not in buf.sample_n_step(2_000)["episode_id"].tolist()
+
+
+def test_sequences_carry_the_start_steps_index_and_weight(tmp_path: Path) -> None:
+    with episodes(tmp_path) as buf:
+        write(buf, 6)
+        seq = buf.sample_sequences(8, 3)
+        assert seq["index"].shape == (8, 3)
+        assert bool((seq["index"] == seq["index"][:, :1]).all())
+        assert buf.update_priorities(seq["index"][:, 0], [2.0] * 8) == 8
+
+
+def test_episode_priorities_survive_a_checkpoint(tmp_path: Path) -> None:
+    with episodes(tmp_path) as buf:
+        write(buf, 5)
+        write(buf, 4, end=False)
+        batch = buf.sample_n_step(6, replace=False)
+        buf.update_priorities(batch["index"], torch.arange(6, dtype=torch.float32) + 1)
+        buf.save_checkpoint(tmp_path / "ck")
+        with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ck", scratch_dir=tmp_path) as back:
+            assert torch.equal(
+                back._core.priorities.tree.weights(), buf._core.priorities.tree.weights()
+            )
+            assert (back.sample_n_step(32, n=2) == buf.sample_n_step(32, n=2)).all()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_async_updates_interleaved_with_appends_stay_consistent(tmp_path: Path) -> None:
+    buf = EpisodeReplayBuffer(
+        60, seed=0, scratch_dir=tmp_path, prioritized=True, priority_backend="torch"
+    )
+
+    async def collector(k: int) -> None:
+        for _ in range(4):
+            e = await buf.start_episode()
+            for t in range(5 + k):
+                await buf.append_observation_action_reward(
+                    e, torch.tensor([float(e), float(t)]), t, 1.0
+                )
+                await asyncio.sleep(0)
+            await buf.end_episode(e, "truncated", final_observation=torch.tensor([float(e), -1.0]))
+
+    async def learner() -> int:
+        applied = 0
+        for _ in range(40):
+            await asyncio.sleep(0)
+            if len(buf) >= 8:
+                batch = await buf.sample_n_step(8, n=3)
+                applied += await buf.update_priorities(batch["index"], batch["reward"].abs() + 0.1)
+        return applied
+
+    *_, applied = await asyncio.gather(*(collector(k) for k in range(3)), learner())
+    assert applied > 0
+    core = buf.sync._core
+    weights = core.priorities.tree.weights()
+    anchors = core.links.next_row.cpu() >= 0
+    assert bool((weights[anchors] > 0).all())  # every stored step can be drawn
+    assert bool((weights[~anchors] == 0).all())  # nothing else can
+    await buf.close()
