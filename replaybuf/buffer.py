@@ -27,6 +27,7 @@ from replaybuf.prioritized import (
     Prioritizer,
     check_beta,
     check_priorities,
+    parse_ids,
     priority_stats,
     ring_ids,
 )
@@ -272,10 +273,7 @@ class ReplayBuffer:
         self._check_open()
         if self._priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        ids = torch.as_tensor(index).reshape(-1)
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
-        ids = ids.to(device=self.storing_device, dtype=torch.long)
+        ids = parse_ids(index, self.storing_device)
         values = check_priorities(priority, ids.numel(), self.storing_device)
         never = (ids < 0) | (ids >= self._writes)
         if bool(never.any()):

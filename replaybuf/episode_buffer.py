@@ -23,7 +23,13 @@ from replaybuf.args import int_at_least, positive_int
 from replaybuf.episodes import STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.iterators import epoch_batches, epoch_order
-from replaybuf.prioritized import Prioritizer, check_beta, check_priorities, priority_stats
+from replaybuf.prioritized import (
+    Prioritizer,
+    check_beta,
+    check_priorities,
+    parse_ids,
+    priority_stats,
+)
 from replaybuf.sampling import (
     NArg,
     draw_anchors,
@@ -316,10 +322,7 @@ class SyncEpisodeReplayBuffer:
         priorities = self._core.priorities
         if priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        ids = torch.as_tensor(index).reshape(-1)
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
-        ids = ids.to(device=self.storing_device, dtype=torch.long)
+        ids = parse_ids(index, self.storing_device)
         values = check_priorities(priority, ids.numel(), self.storing_device)
         self._core.flush()
         rows, live = self._core.live_rows(ids)

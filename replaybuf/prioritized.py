@@ -43,6 +43,14 @@ def ring_ids(slots: torch.Tensor, writes: int, capacity: int) -> torch.Tensor:
     return writes - 1 - (writes - 1 - slots) % capacity
 
 
+def parse_ids(index: Any, device: torch.device) -> torch.Tensor:
+    """``index`` (ids from a sampled batch) as a flat long tensor on ``device``."""
+    ids = torch.as_tensor(index).reshape(-1)
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
+    return ids.to(device=device, dtype=torch.long)
+
+
 def check_priorities(priority: Any, count: int, device: torch.device) -> torch.Tensor:
     """``priority`` as a float tensor of ``count`` finite values >= 0, else a clear error."""
     if isinstance(priority, int | float) and not isinstance(priority, bool):
