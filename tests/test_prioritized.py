@@ -293,3 +293,23 @@ async def test_async_updates_interleaved_with_appends_stay_consistent(tmp_path: 
     assert bool((weights[anchors] > 0).all())  # every stored step can be drawn
     assert bool((weights[~anchors] == 0).all())  # nothing else can
     await buf.close()
+
+
+def test_without_torchrls_extension_both_buffers_still_prioritize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from replaybuf import priority
+
+    monkeypatch.delenv(priority.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(priority, "_segment_trees", lambda: "torchrl._torchrl does not load")
+    with ring(tmp_path, "auto") as buf:
+        add(buf, 0, 4)
+        assert buf.stats()["priority_backend"] == "torch"
+        batch = buf.sample_batch(8)
+        assert buf.update_priorities(batch["index"], torch.ones(8)) == 8
+    with SyncEpisodeReplayBuffer(
+        10, scratch_dir=tmp_path, prioritized=True, priority_backend="auto"
+    ) as episodic:
+        write(episodic, 3)
+        assert episodic.stats()["priority_backend"] == "torch"
+        assert episodic.sample_n_step(4)["weight"].shape == (4,)
