@@ -7,7 +7,9 @@ VENV ?= .venv
 TORCH ?= torch==2.14.1
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
+
+.PHONY: demo test lint bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +26,13 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q
 
+# Each benchmark prints a table (ratios to the raw-TorchRL baseline and the raw-tensor floor,
+# medians) and writes JSON to benchmarks/results/.
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_replay.py
+	for b in $(BENCHES); do $(PY) benchmarks/$$b.py || exit 1; done
+
+bench-quick: $(VENV)/.installed
+	for b in $(BENCHES); do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

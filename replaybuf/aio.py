@@ -25,6 +25,7 @@ from replaybuf.errors import BufferClosedError
 from replaybuf.sampling import NArg
 
 T = TypeVar("T")
+_RETRY: Any = object()  # a call refused by RowsPinned, to run again
 
 
 class EpisodeReplayBuffer:
@@ -101,12 +102,12 @@ class EpisodeReplayBuffer:
             async with self._lock:
                 try:
                     result = fn(*args, **kwargs)  # synchronous and atomic: no await inside
-                    break
                 except RowsPinned:
-                    pass  # refused before changing anything: retry once the checkpoint is done
-            await self._idle.wait()
-        self._wake_waiters()
-        return result
+                    result = _RETRY  # refused before changing anything
+            if result is not _RETRY:
+                self._wake_waiters()
+                return result
+            await self._idle.wait()  # every free row is pinned: retry once the checkpoint ends
 
     def _wake_waiters(self) -> None:
         if not self._waiters:

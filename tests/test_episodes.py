@@ -227,6 +227,8 @@ def test_random_interleavings_agree_with_the_reference(make, max_steps, max_epis
         getattr(program, name)(*args)
         program.check()
     stats = program.buf.stats()
+    assert stats["steps"] <= max_steps  # storage never holds more than it may
+    assert max_episodes is None or stats["episodes"] <= max_episodes
     event(f"evicted: {min(stats['evicted_episodes'], 3)}")
     event(f"valid steps: {min(stats['valid_steps'], 5)}")
     program.buf.close()
