@@ -28,8 +28,8 @@ NArg = int | tuple[int, int]
 
 
 def _keys(core: EpisodeCore, *groups: str) -> list[Key]:
-    assert core.slots.spec is not None  # internal: only called once steps exist
-    return [k for k in core.slots.spec if k[0] in groups]
+    spec = core.slots.spec  # None only before the first step, when nothing is sampled
+    return [] if spec is None else [k for k in spec if k[0] in groups]
 
 
 def _put_extras(out: TensorDict, rows: TensorDictBase) -> None:
