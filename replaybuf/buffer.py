@@ -246,21 +246,22 @@ class ReplayBuffer:
         self._require(batch_size)
         if self._priorities is not None:
             slots, weight = self._priorities.draw(batch_size, self._generator)
-            return self._with_priority_keys(self._slots.gather(slots, self.device), slots, weight)
+            return self._slots.gather(slots, self.device, extra=self._priority_keys(slots, weight))
         slots = torch.randint(
             0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
         )
         return self._slots.gather(slots, self.device)
 
-    def _with_priority_keys(
-        self, td: TensorDict, slots: torch.Tensor, weight: torch.Tensor | None
-    ) -> TensorDict:
-        """Add ``index`` (ids for :meth:`update_priorities`) and ``weight`` to a batch."""
-        td.set("index", ring_ids(slots, self._writes, self.buffer_size).to(self.device))
+    def _priority_keys(
+        self, slots: torch.Tensor, weight: torch.Tensor | None
+    ) -> dict[Key, torch.Tensor]:
+        """``index`` (ids for :meth:`update_priorities`) and ``weight`` of a batch's rows."""
         if weight is None:  # an exhaustive epoch is not importance-sampled
             weight = torch.ones(slots.shape, dtype=torch.float32)
-        td.set("weight", weight.to(self.device))
-        return td
+        return {
+            ("index",): ring_ids(slots, self._writes, self.buffer_size).to(self.device),
+            ("weight",): weight.to(self.device),
+        }
 
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled items; returns how many were applied.
@@ -275,6 +276,12 @@ class ReplayBuffer:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
         ids = parse_ids(index, self.storing_device)
         values = check_priorities(priority, ids.numel(), self.storing_device)
+        if ids.numel() == 0:
+            return 0
+        lowest, highest = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
+        if lowest >= self._writes - self._size and highest < self._writes:  # all live
+            self._priorities.update(ids % self.buffer_size, values)
+            return ids.numel()
         never = (ids < 0) | (ids >= self._writes)
         if bool(never.any()):
             raise IndexError(
@@ -359,10 +366,8 @@ class ReplayBuffer:
                         "epoch iterator expected the rows it planned, got a buffer reset since; "
                         "create a new iterator"
                     )
-                batch = self._slots.gather(slots, self.device)
-                if self._priorities is not None:
-                    batch = self._with_priority_keys(batch, slots, None)
-                yield batch
+                extra = None if self._priorities is None else self._priority_keys(slots, None)
+                yield self._slots.gather(slots, self.device, extra=extra)
 
     def get_next_batch(self, batch_size: int) -> TensorDict:
         """The next batch of the installed epoch iterator, else a uniform random batch.

@@ -40,6 +40,8 @@ def check_eps(eps: Any) -> float:
 
 def ring_ids(slots: torch.Tensor, writes: int, capacity: int) -> torch.Tensor:
     """The id (write number) of the row each ring slot holds after ``writes`` writes."""
+    if writes % capacity == 0:  # the ring is whole: slot s holds write writes - capacity + s
+        return slots + (writes - capacity)
     return writes - 1 - (writes - 1 - slots) % capacity
 
 
@@ -106,22 +108,29 @@ class Prioritizer:
     def update(self, items: torch.Tensor, priority: torch.Tensor) -> None:
         """Set p = priority + eps for ``items`` (already checked and still stored)."""
         if items.numel():
-            self.tree.set(items, (priority + self.eps) ** self.alpha)
+            self.tree.set_in_range(items, (priority + self.eps) ** self.alpha)
 
     def draw(
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` items drawn ∝ weight, and their importance weights (float32 ``[B]``)."""
-        items = self.tree.sample(batch_size, generator)
-        return items, self.importance(items)
+        items, weights = self.tree.sample_weighted(batch_size, generator, torch.float64)
+        return items, self.importance_of(weights)
 
     def importance(self, items: torch.Tensor) -> torch.Tensor:
         """(P(i) / P_min)^-β, the PER weight normalised by its maximum over stored items."""
+        if not math.isfinite(self.tree.min_positive()) or self.beta == 0:
+            return torch.ones(items.shape, dtype=torch.float32, device=items.device)
+        return self.importance_of(self.tree.get(items))
+
+    def importance_of(self, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`importance` from the items' tree ``weights`` (``tree.get``'s, any float dtype
+        that holds them exactly)."""
         smallest = self.tree.min_positive()
         if not math.isfinite(smallest) or self.beta == 0:
-            return torch.ones(items.shape, dtype=torch.float32, device=items.device)
-        ratio = self.tree.get(items).to(torch.float64) / smallest
-        return ratio.pow(-self.beta).to(torch.float32)
+            return torch.ones(weights.shape, dtype=torch.float32, device=weights.device)
+        ratio = weights.to(torch.float64) / smallest  # a new tensor: safe to work in place
+        return ratio.pow_(-self.beta).to(torch.float32)
 
 
 def priority_stats(priorities: Prioritizer | None) -> dict[str, Any]:

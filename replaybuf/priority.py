@@ -80,7 +80,7 @@ def sample_masses(
 ) -> torch.Tensor:
     """``batch_size`` float64 masses u = (1 - U[0, 1)) · total, uniform on (0, total]."""
     uniform = torch.rand(batch_size, generator=generator, device=device, dtype=torch.float64)
-    return (1.0 - uniform) * total  # [B]; 1 - U is exact on float64's 2**-53 grid
+    return uniform.neg_().add_(1.0).mul_(total)  # [B] (1 - U) · total; 1 - U is exact on 2**-53
 
 
 def descend(sums: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
@@ -89,16 +89,26 @@ def descend(sums: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
     Invariant per sample: 0 < u <= sum of the current node, hence the node's sum is > 0. Going
     right (u > left) keeps u > 0; clamping u to the right sum keeps u <= it despite round-off.
     """
-    pairs = sums.view(-1, 2)  # [P, 2]: row n = (sum of node 2n, sum of node 2n+1)
+    return descend_with_sums(sums, masses)[0]
+
+
+def descend_with_sums(
+    sums: torch.Tensor, masses: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`descend`'s items and the float64 leaf sums (their weights) it ended on."""
+    leaves = sums.shape[0] // 2  # P
+    lefts, rights = sums[0::2], sums[1::2]  # [P] each: row n = sum of node 2n, of node 2n+1
     node = torch.ones_like(masses, dtype=torch.long)  # [B] the root
     u = masses
-    for _ in range(pairs.shape[0].bit_length() - 1):  # log2 P levels
-        children = pairs.index_select(0, node)  # [B, 2]
-        left, right = children[:, 0], children[:, 1]
+    left = right = go_right = masses  # (log2 P >= 1 whenever a draw happens past the root)
+    for _ in range(leaves.bit_length() - 1):  # log2 P levels
+        left, right = lefts.index_select(0, node), rights.index_select(0, node)  # [B]
         go_right = u > left  # [B]
         u = torch.where(go_right, torch.minimum(u - left, right), u)
         node = torch.add(go_right, node, alpha=2)  # child 2n + go_right, in one kernel
-    return node - pairs.shape[0]
+    if leaves == 1:
+        return node - 1, sums.index_select(0, node)
+    return node - leaves, torch.where(go_right, right, left)
 
 
 def nearest_positive(items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -163,6 +173,21 @@ class PriorityIndex(abc.ABC):
             self._write(items, weights)
             self._stats = self._read_stats()
 
+    def set_in_range(self, items: torch.Tensor, weights: torch.Tensor) -> None:
+        """:meth:`set` for ``items`` known to be long ``[k]`` on ``device`` and in range (as
+        :meth:`sample` returns them, or checked before): only ``weights`` are checked."""
+        if items.numel() == 0:
+            return
+        weights = torch.as_tensor(weights)
+        if weights.shape == items.shape and weights.dtype.is_floating_point:
+            weights32 = weights.to(self.device, torch.float32)
+            lowest, highest = torch.stack(torch.aminmax(weights32)).tolist()  # NaN fails both
+            if lowest >= 0 and highest <= FLOAT32_MAX:
+                self._write(items, torch.where(weights32 > 0, weights32, 0.0))  # -0.0 as 0.0
+                self._stats = self._read_stats()
+                return
+        self.set(items, weights)  # raises set's error for the bad input
+
     def get(self, items: torch.Tensor) -> torch.Tensor:
         """The float32 weights ``[k]`` of ``items`` (long ``[k]``), on ``device``.
 
@@ -193,6 +218,17 @@ class PriorityIndex(abc.ABC):
         Draws with replacement, using only ``generator`` (on ``device``) for randomness, and
         never returns an item of weight 0.
         """
+        return self.sample_weighted(batch_size, generator)[0]
+
+    def sample_weighted(
+        self, batch_size: int, generator: torch.Generator, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample`'s items and their weights (as :meth:`get` would return them), read in
+        the same pass: ``(items [B], weights [B])``, both on ``device``.
+
+        The draws equal :meth:`sample`'s for the same generator state. ``dtype=torch.float64``
+        returns the same weights without the conversion (float32 values are exact in float64).
+        """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
         if generator.device.type != self.device.type:
@@ -202,7 +238,8 @@ class PriorityIndex(abc.ABC):
             )
         if not self._stats[0] > 0:
             raise ValueError("nothing to sample: every weight is 0")
-        return self._sample(batch_size, generator)
+        items, sums = self._sample(batch_size, generator)
+        return items, sums.to(dtype)
 
     def weights(self) -> torch.Tensor:
         """All ``capacity`` weights, float32 on the CPU (for checkpoints)."""
@@ -280,8 +317,11 @@ class PriorityIndex(abc.ABC):
         """(total, min_positive, max) read from the trees."""
 
     @abc.abstractmethod
-    def _sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        """``batch_size`` items drawn with ``generator``; the total is known to be > 0."""
+    def _sample(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` items drawn with ``generator`` and their float64 leaf sums; the total
+        is known to be > 0."""
 
 
 class TorchPriorityIndex(PriorityIndex):
@@ -333,9 +373,11 @@ class TorchPriorityIndex(PriorityIndex):
         total, smallest, negated_max = root.tolist()  # the one host sync
         return total, smallest, 0.0 - negated_max
 
-    def _sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    def _sample(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         masses = sample_masses(batch_size, self._sums[1], generator, self.device)  # [B]
-        return descend(self._sums, masses)
+        return descend_with_sums(self._sums, masses)
 
 
 def leaf_extremes(weights: torch.Tensor) -> torch.Tensor:
@@ -377,6 +419,8 @@ class SegmentTreePriorityIndex(PriorityIndex):
     def _leaf_sums(self, items: torch.Tensor) -> torch.Tensor:
         # pybind11 resolves a 1-element tensor to the scalar ``at(int)``: reshape its float.
         sums = self._sums.at(items.contiguous())
+        if isinstance(sums, torch.Tensor) and sums.shape == items.shape:
+            return sums  # float64, like the tree
         return torch.as_tensor(sums, dtype=torch.float64).reshape(items.shape)
 
     def _rebuild(self, weights: torch.Tensor) -> None:
@@ -391,13 +435,17 @@ class SegmentTreePriorityIndex(PriorityIndex):
             smallest = math.inf  # only padding: no positive weight
         return total, smallest, largest
 
-    def _sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    def _sample(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         masses = sample_masses(batch_size, self._stats[0], generator, self.device)  # [B]
         items = self._sums.scan_lower_bound(masses).clamp_max(self.capacity - 1)  # [B]
-        absent = self._leaf_sums(items) == 0  # only after round-off at the top of the range
+        sums = self._leaf_sums(items)  # [B] float64; read once: guard and importance weights
+        absent = sums == 0  # only after round-off at the top of the range
         if bool(absent.any()):
             items = torch.where(absent, nearest_positive(items, self.weights()), items)
-        return items
+            sums = self._leaf_sums(items)
+        return items, sums
 
 
 # --------------------------------------------------------------------------- factory

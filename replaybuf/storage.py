@@ -239,8 +239,13 @@ class SlotStorage:
         slots: torch.Tensor,
         device: torch.device,
         keys: list[Key] | None = None,
+        extra: dict[Key, torch.Tensor] | None = None,
     ) -> TensorDict:
-        """Rows at ``slots`` (a long tensor on the storing device) as a TensorDict on ``device``."""
+        """Rows at ``slots`` (a long tensor on the storing device) as a TensorDict on ``device``.
+
+        ``extra`` maps further keys to ``[rows, ...]`` tensors already on ``device``; they join
+        the same TensorDict construction (cheaper than setting them afterwards).
+        """
         leaves = self._leaves if keys is None else [(k, t) for k, t in self._leaves if k in keys]
         rows = slots.shape[0]
         if self.storing_device.type == "cpu" and device.type == "cuda":
@@ -251,7 +256,11 @@ class SlotStorage:
                 # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
                 # the data has arrived, and nothing here would wait for it.
                 values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
-        return build_tensordict([k for k, _ in leaves], values, rows, device)
+        names = [k for k, _ in leaves]
+        if extra:
+            names = names + list(extra)
+            values = [*values, *extra.values()]
+        return build_tensordict(names, values, rows, device)
 
     def take(self, slots: torch.Tensor, keys: list[Key]) -> list[torch.Tensor]:
         """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
