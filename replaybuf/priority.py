@@ -345,8 +345,14 @@ class TorchPriorityIndex(PriorityIndex):
         self._sums.index_copy_(0, nodes, weights.double())
         self._extremes.index_copy_(0, nodes, leaf_extremes(weights))
         # Parents are recomputed from both children, level by level: duplicates are harmless.
-        for parents in ancestors(nodes, self._levels):  # [k] per level
+        # Levels of at most k nodes are recomputed whole (2 kernels instead of 6 per level).
+        whole = min(self._levels, nodes.numel().bit_length())  # levels 0 .. whole-1: 2**d <= k
+        for parents in ancestors(nodes, self._levels - whole):  # [k] per level, bottom-up
             self._recompute(parents)
+        for level in reversed(range(whole)):
+            lo, hi = 1 << level, 2 << level
+            torch.sum(self._sums[hi : 2 * hi].view(-1, 2), 1, out=self._sums[lo:hi])
+            torch.amin(self._extremes[hi : 2 * hi].view(-1, 2, 2), 1, out=self._extremes[lo:hi])
 
     def _recompute(self, parents: torch.Tensor) -> None:
         sums = self._sums.view(-1, 2).index_select(0, parents).sum(1)  # [k]
@@ -441,8 +447,9 @@ class SegmentTreePriorityIndex(PriorityIndex):
         masses = sample_masses(batch_size, self._stats[0], generator, self.device)  # [B]
         items = self._sums.scan_lower_bound(masses).clamp_max(self.capacity - 1)  # [B]
         sums = self._leaf_sums(items)  # [B] float64; read once: guard and importance weights
-        absent = sums == 0  # only after round-off at the top of the range
-        if bool(absent.any()):
+        # A zero leaf only after round-off at the top of the range; min() is the cheapest test.
+        if batch_size and sums.min().item() == 0:
+            absent = sums == 0
             items = torch.where(absent, nearest_positive(items, self.weights()), items)
             sums = self._leaf_sums(items)
         return items, sums
