@@ -19,7 +19,7 @@ from replaybuf.errors import (
     UnsupportedVersionError,
 )
 from replaybuf.nstep import compute_discounted_return
-from replaybuf.priority import compute_importance_weights, sequence_priority
+from replaybuf.per import compute_importance_weights, sequence_priority
 from replaybuf.schema import Field, FieldSpec
 
 __version__ = "0.1.0"

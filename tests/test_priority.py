@@ -19,13 +19,12 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from replaybuf import priority
+from replaybuf.per import compute_importance_weights, sequence_priority
 from replaybuf.priority import (
     BACKEND_ENV,
-    compute_importance_weights,
     descend,
     make_priority_index,
     segment_tree_unavailable_reason,
-    sequence_priority,
 )
 
 MISSING = segment_tree_unavailable_reason()
