@@ -453,10 +453,7 @@ class ReplayBuffer:
         buffer_size = metadata.require_int(document, "buffer_size", 1)
         metadata.require_int(document, "data_size", 0, buffer_size)
         metadata.require_int(document, "pointer", 0, buffer_size - 1)
-        try:
-            spec = None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
+        spec = metadata.read_spec(document)
         if self._size:
             if buffer_size != self.buffer_size:
                 raise MetadataError(

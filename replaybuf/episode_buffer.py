@@ -495,10 +495,7 @@ class SyncEpisodeReplayBuffer:
         max_steps = metadata.require_int(document, "max_steps", 1)
         for name in ("episodes", "steps", "valid_steps", "next_episode_id", "evicted_episodes"):
             metadata.require_int(document, name, 0)
-        try:
-            spec = None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
+        spec = metadata.read_spec(document)
         if max_steps != self.max_steps:
             raise MetadataError(
                 f"max_steps: metadata has {max_steps}, this buffer {self.max_steps}"

@@ -18,6 +18,7 @@ import torch
 import torchrl
 
 from replaybuf.errors import MetadataError
+from replaybuf.schema import FieldSpec
 
 FORMAT = "replaybuf.metadata"
 FORMAT_VERSION = 1
@@ -99,6 +100,14 @@ def require_int(document: dict[str, Any], name: str, low: int, high: int | None 
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise MetadataError(f"metadata field {name!r} expected {bound}, got {value}")
     return value
+
+
+def read_spec(document: dict[str, Any]) -> FieldSpec | None:
+    """The field spec recorded in ``document`` (``None`` if none), or :class:`MetadataError`."""
+    try:
+        return None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
 
 
 def _fsync_dir(folder: Path) -> None:
