@@ -673,3 +673,40 @@ def test_an_episode_holding_no_rows_is_not_evicted_for_step_pressure(tmp_path):
         assert (stats["evicted_episodes"], stats["episodes"]) == (1, 2)  # `fresh` survived
         buf.append_observation_action_reward(fresh, torch.zeros(2), 0, 1.0)  # still appendable
         assert buf.stats()["evicted_episodes"] == 2  # that append had to evict `writer`
+
+
+def test_the_readme_worked_example_holds(tmp_path):
+    """README "Episodes and n-step returns": γ = 0.5, n = 3, episodes A, B, C."""
+    with SyncEpisodeReplayBuffer(50, scratch_dir=tmp_path, seed=0) as buf:
+        a, b, c = (buf.start_episode(name) for name in "ABC")
+        for t, r in enumerate((1.0, 2.0, 4.0)):
+            buf.append_observation_action_reward(a, torch.tensor([0.0, t]), 0, r)
+        buf.end_episode(a, "terminated", final_observation=torch.tensor([0.0, 3]))
+        buf.append_observation_action_reward(b, torch.tensor([1.0, 0]), 0, 1.0)
+        buf.end_episode(b, "truncated", final_observation=torch.tensor([1.0, 1]))
+        for t in range(3):
+            buf.append_observation_action_reward(c, torch.tensor([2.0, t]), 0, 1.0)
+        batch = buf.sample_n_step(10, n=3, gamma=0.5, replace=False)
+        rows = {
+            (int(e), int(t)): (m, r, nxt, term, trunc, cut, disc)
+            for e, t, m, r, nxt, term, trunc, cut, disc in zip(
+                batch["episode_id"].tolist(),
+                batch["start_step"].tolist(),
+                batch["actual_n"].tolist(),
+                batch["reward"].tolist(),
+                batch["next_observation"][:, 1].tolist(),
+                batch["terminal"].tolist(),
+                batch["truncated"].tolist(),
+                batch["cut"].tolist(),
+                batch["next_discount"].tolist(),
+                strict=True,
+            )
+        }
+        assert rows == {
+            (a, 0): (3, 3.0, 3.0, True, False, False, 0.0),
+            (a, 1): (2, 4.0, 3.0, True, False, False, 0.0),
+            (a, 2): (1, 4.0, 3.0, True, False, False, 0.0),
+            (b, 0): (1, 1.0, 1.0, False, True, False, 0.5),
+            (c, 0): (2, 1.5, 2.0, False, False, True, 0.25),
+            (c, 1): (1, 1.0, 2.0, False, False, True, 0.5),
+        }
