@@ -35,6 +35,7 @@ import torch
 from replaybuf.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from replaybuf.checkpoint.names import valid_name
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
+from replaybuf.metadata import read_spec, require_int
 from replaybuf.schema import FieldSpec, Key, key_name
 from replaybuf.storage import resolve_device, resolve_kind
 
@@ -191,9 +192,9 @@ def check(checkpoint: Checkpoint) -> RingState:
 
 def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
     """The ring state recorded in ``meta``, each field checked (ranges and consistency)."""
-    capacity = _int(meta, "capacity", where, low=1)
-    size = _int(meta, "size", where, low=0, high=capacity)
-    pointer = _int(meta, "pointer", where, low=0, high=capacity - 1)
+    capacity = meta_int(meta, "capacity", where, low=1)
+    size = meta_int(meta, "size", where, low=0, high=capacity)
+    pointer = meta_int(meta, "pointer", where, low=0, high=capacity - 1)
     if size < capacity and pointer != size:
         raise CorruptCheckpointError(
             f"{where}: pointer expected {size} (size % capacity while the ring is not full),"
@@ -215,10 +216,10 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
         raise CorruptCheckpointError(
             f"{where}: meta 'print_gc_warning' expected a bool, got {print_gc_warning!r}"
         )
-    spec = _spec(meta.get("spec"), where)
+    spec = meta_spec(meta, "spec", where)
     if spec is None and size:
         raise CorruptCheckpointError(f"{where}: size {size} expected 0 with no spec")
-    writes = _int(meta, "writes", where, low=size)
+    writes = meta_int(meta, "writes", where, low=size)
     if writes % capacity != pointer:
         raise CorruptCheckpointError(
             f"{where}: meta 'writes' expected {pointer} modulo {capacity} (the pointer), "
@@ -237,7 +238,7 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
         pointer=pointer,
         print_gc_warning=print_gc_warning,
         # TorchRL keeps its write count in a C int, which wraps negative after 2**31 rows
-        torchrl_write_count=_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1),
+        torchrl_write_count=meta_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1),
         spec=spec,
         writes=writes,
         priority=priority,
@@ -281,25 +282,17 @@ def check_tensors(checkpoint: Checkpoint, state: RingState, where: str) -> None:
         )
 
 
-def _int(meta: Mapping[str, Any], name: str, where: str, low: int, high: int | None = None) -> int:
-    value = meta.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CorruptCheckpointError(f"{where}: meta {name!r} expected an int, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise CorruptCheckpointError(f"{where}: meta {name!r} expected {bound}, got {value}")
-    return value
+def meta_int(
+    meta: Mapping[str, Any], name: str, where: str, low: int, high: int | None = None
+) -> int:
+    """An int of a checkpoint's meta in ``[low, high]``, else CorruptCheckpointError."""
+    context = f"{where}: meta"
+    return require_int(meta, name, low, high, error=CorruptCheckpointError, context=context)
 
 
-def _spec(data: object, where: str) -> FieldSpec | None:
-    if data is None:
-        return None
-    try:
-        if not isinstance(data, dict):
-            raise TypeError(f"expected an object, got {type(data).__name__}")
-        return FieldSpec.from_json(data)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{where}: meta 'spec' is malformed: {exc}") from None
+def meta_spec(meta: Mapping[str, Any], name: str, where: str) -> FieldSpec | None:
+    """A field spec of a checkpoint's meta, else CorruptCheckpointError."""
+    return read_spec(meta, name, error=CorruptCheckpointError, context=f"{where}: meta")
 
 
 def _constructor_kwargs(
@@ -333,7 +326,7 @@ def _check_generator_state(
     """The saved state must be one the new sampling generator accepts, when it will take it."""
     device = resolve_device(storing_device, "storing_device")
     if device.type != state.generator_device:
-        return  # reseeded from it instead: see _restore_generator
+        return  # reseeded from it instead: see restore_generator
     try:
         torch.Generator(device=device).set_state(generator_state)
     except RuntimeError as exc:
@@ -360,10 +353,10 @@ def _restore(
         if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
             raise CorruptCheckpointError(f"{PRIORITY} must hold finite weights >= 0")
         buffer._priorities.tree.load(weights)
-    _restore_generator(buffer._generator, generator_state, state.generator_device)
+    restore_generator(buffer._generator, generator_state, state.generator_device)
 
 
-def _restore_generator(generator: torch.Generator, saved: torch.Tensor, saved_type: str) -> None:
+def restore_generator(generator: torch.Generator, saved: torch.Tensor, saved_type: str) -> None:
     """Continue the saved sampler stream; across CPU <-> CUDA, reseed from it deterministically.
 
     CPU (Mersenne Twister) and CUDA (Philox) generators keep different states, so a stream

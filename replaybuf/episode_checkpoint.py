@@ -33,13 +33,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from replaybuf.buffer_checkpoint import GENERATOR, _int, _restore_generator, _spec, row_tensor_names
+from replaybuf.buffer_checkpoint import (
+    GENERATOR,
+    meta_int,
+    meta_spec,
+    restore_generator,
+    row_tensor_names,
+)
 from replaybuf.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from replaybuf.episodes import Episode, _nest
+from replaybuf.episodes import Episode
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
 from replaybuf.index import END_NONE
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, key_name
+from replaybuf.storage import nest
 
 if TYPE_CHECKING:
     from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
@@ -193,17 +200,17 @@ def _open(directory: str | os.PathLike[str]) -> Checkpoint:
 def check(checkpoint: Checkpoint, where: str) -> Saved:
     """Meta ranges, tensor shapes, and every link against the episode table."""
     meta = checkpoint.meta
-    max_steps = _int(meta, "max_steps", where, low=1)
-    rows = _int(meta, "rows", where, low=max_steps)
+    max_steps = meta_int(meta, "max_steps", where, low=1)
+    rows = meta_int(meta, "rows", where, low=max_steps)
     for name in ("next_id", "next_seq", "steps", "valid_steps", "evicted", "min_steps"):
-        _int(meta, name, where, low=0)
-    allocations = _int(meta, "allocations", where, low=0)
+        meta_int(meta, name, where, low=0)
+    allocations = meta_int(meta, "allocations", where, low=0)
     if not isinstance(meta.get("prioritized"), bool):
         raise CorruptCheckpointError(f"{where}: meta 'prioritized' expected a bool")
-    high_water = _int(meta, "high_water", where, low=0, high=rows)
+    high_water = meta_int(meta, "high_water", where, low=0, high=rows)
     if meta.get("max_episodes") is not None:
-        _int(meta, "max_episodes", where, low=1)
-    spec, first = _spec(meta.get("spec"), where), _spec(meta.get("first_obs_spec"), where)
+        meta_int(meta, "max_episodes", where, low=1)
+    spec, first = meta_spec(meta, "spec", where), meta_spec(meta, "first_obs_spec", where)
     table = meta.get("episodes")
     if not isinstance(table, list) or not all(_is_entry(e) for e in table):
         raise CorruptCheckpointError(f"{where}: meta 'episodes' is malformed")
@@ -347,7 +354,7 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
         setattr(core, name, meta[name])
     core.evicted = meta["evicted"]
     core._first_obs_spec = saved.first_obs_spec
-    _restore_generator(buffer._generator, s[GENERATOR], meta["generator_device"])
+    restore_generator(buffer._generator, s[GENERATOR], meta["generator_device"])
 
 
 def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:
@@ -373,7 +380,7 @@ def _final_observation(checkpoint: Checkpoint, j: int, obs_spec: FieldSpec | Non
     leaves = {
         key: checkpoint.load(f"final/{j}/{i}", verify=True) for i, key in enumerate(obs_spec or {})
     }
-    return TensorDict(_nest(leaves), batch_size=[])
+    return TensorDict(nest(leaves), batch_size=[])
 
 
 def open_or_create(

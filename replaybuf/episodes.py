@@ -31,7 +31,7 @@ from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
-from replaybuf.storage import SlotStorage, build_tensordict
+from replaybuf.storage import SlotStorage, build_tensordict, nest
 
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
 # Keys sampling and get_episode return; an extras field must not shadow one of them.
@@ -352,7 +352,7 @@ class EpisodeCore:
         else:
             # A copy: the caller may reuse its arrays.
             copies = {key: value.clone() for key, value in final.items()}
-            episode.final_observation = TensorDict(_nest(copies), batch_size=[])
+            episode.final_observation = TensorDict(nest(copies), batch_size=[])
             if self.slots.spec is None and self._first_obs_spec is None:
                 self._first_obs_spec = FieldSpec.of(final, 0)
         episode.end_kind = end_kind
@@ -436,14 +436,3 @@ class EpisodeCore:
 
 def _observation(leaves: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
     return {key: value for key, value in leaves.items() if key[0] == "observation"}
-
-
-def _nest(leaves: dict[Key, torch.Tensor]) -> dict:
-    """Flat keys to a nested dict, as TensorDict's constructor takes them."""
-    nested: dict = {}
-    for key, value in leaves.items():
-        node = nested
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
-    return nested

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +92,42 @@ def read_metadata(path: str | os.PathLike, buffer_kind: str) -> dict[str, Any]:
     return document
 
 
-def require_int(document: dict[str, Any], name: str, low: int, high: int | None = None) -> int:
-    """An integer field of ``document`` in ``[low, high]``, or :class:`MetadataError`."""
+def require_int(
+    document: Mapping[str, Any],
+    name: str,
+    low: int,
+    high: int | None = None,
+    *,
+    error: type[Exception] = MetadataError,
+    context: str = "metadata field",
+) -> int:
+    """An integer field of ``document`` in ``[low, high]``, else ``error`` naming it."""
     value = document.get(name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise MetadataError(f"metadata field {name!r} expected an integer, got {value!r}")
+        raise error(f"{context} {name!r} expected an int, got {value!r}")
     if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise MetadataError(f"metadata field {name!r} expected {bound}, got {value}")
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise error(f"{context} {name!r} expected {bound}, got {value}")
     return value
 
 
-def read_spec(document: dict[str, Any]) -> FieldSpec | None:
-    """The field spec recorded in ``document`` (``None`` if none), or :class:`MetadataError`."""
+def read_spec(
+    document: Mapping[str, Any],
+    name: str = "spec",
+    *,
+    error: type[Exception] = MetadataError,
+    context: str = "metadata field",
+) -> FieldSpec | None:
+    """The field spec recorded under ``name`` (``None`` if none), else ``error`` naming it."""
+    data = document.get(name)
+    if data is None:
+        return None
     try:
-        return None if document.get("spec") is None else FieldSpec.from_json(document["spec"])
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object, got {type(data).__name__}")
+        return FieldSpec.from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise MetadataError(f"metadata field 'spec' is malformed: {exc}") from None
+        raise error(f"{context} {name!r} is malformed: {exc}") from None
 
 
 def _fsync_dir(folder: Path) -> None:

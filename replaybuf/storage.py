@@ -20,9 +20,9 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -325,13 +325,18 @@ def build_tensordict(
     keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device
 ) -> TensorDict:
     """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device``."""
+    return _assemble(nest(dict(zip(keys, values, strict=True))), torch.Size([rows]), device)
+
+
+def nest(leaves: Mapping[Key, Any]) -> dict:
+    """Flat keys to a nested dict, as TensorDict's constructor takes them."""
     nested: dict = {}
-    for key, value in zip(keys, values, strict=True):
+    for key, value in leaves.items():
         node = nested
         for part in key[:-1]:
             node = node.setdefault(part, {})
         node[key[-1]] = value
-    return _assemble(nested, torch.Size([rows]), device)
+    return nested
 
 
 def _assemble(tree: dict, batch_size: torch.Size, device: torch.device) -> TensorDict:
