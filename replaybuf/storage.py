@@ -128,6 +128,7 @@ class SlotStorage:
         self._scratch_parent = scratch_dir
         self._scratch: _ScratchFolder | None = None
         self._leaves: list[tuple[Key, torch.Tensor]] = []
+        self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -148,12 +149,11 @@ class SlotStorage:
         if capacity is not None:
             self.capacity = capacity
         self.spec = None
-        self._leaves = []
         self.memory = self._new_memory()
 
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
-        self._leaves = []
+        self._leaves, self._columns = [], {}
         self.memory = None  # type: ignore[assignment]
         self._stager.clear()
         if self._scratch is not None:
@@ -208,6 +208,7 @@ class SlotStorage:
             if key != _TORCHRL_INDEX_KEY:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
+        self._columns = dict(leaves)
         if self.kind == "memmap":
             self._reserve_files(stored)
 
@@ -264,15 +265,11 @@ class SlotStorage:
 
     def take(self, slots: torch.Tensor, keys: list[Key]) -> list[torch.Tensor]:
         """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
-        columns = dict(self._leaves)
-        return [torch.index_select(columns[key], 0, slots) for key in keys]
+        return [torch.index_select(self._columns[key], 0, slots) for key in keys]
 
     def column(self, key: Key) -> torch.Tensor:
         """The whole stored column of one field (a view; the caller must not write into it)."""
-        for k, t in self._leaves:
-            if k == key:
-                return t
-        raise KeyError(key)
+        return self._columns[key]
 
     def stored_bytes(self) -> int:
         """Bytes the allocated rows occupy (user fields and TorchRL's own index column)."""
