@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.14.1
 PY := $(VENV)/bin/python
+# The tests cover every integration, so the test venv gets every extra.
+EXTRAS ?= dev,examples,sb3,ray,bench
 
 BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
 
@@ -13,7 +15,7 @@ BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[dev]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: $(VENV)/.installed
