@@ -1,31 +1,33 @@
-"""Proportional sampling by weight over ``capacity`` items: a sum tree with min and max.
+"""Proportional sampling by weight over ``capacity`` items, with the total, min and max.
 
 Item i is drawn with probability w_i / Σ_j w_j, with replacement; an item of weight 0 is absent
 and never drawn. Imports torch only (TorchRL's compiled extension lazily, at first use).
 
-Two backends share one layout and one descent, so they agree draw for draw:
+Both backends give item i the masses (c_{i-1}, c_i], c_i = w_0+..+w_i, and draw
+u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent item):
 
-* ``"torchrl-segment-tree"``: TorchRL's C++ trees (CPU only), used where ``torchrl._torchrl``
-  loads. That extension only loads with the torch it was built for.
-* ``"torch"``: arrays on ``device`` (CUDA included), P = next power of two >= capacity::
+* ``"torchrl-segment-tree"``: TorchRL's C++ sum tree (CPU only), used where ``torchrl._torchrl``
+  loads; that extension only loads with the torch it was built for. Its ``scan_lower_bound``
+  descends the tree; round-off at the top of the range can end on an absent item, which is then
+  moved to the nearest present one (only in such round-off events).
+* ``"torch"``: two levels of tensors on ``device`` (CUDA included), written by hand because
+  TorchRL's trees exist only in C++ on the CPU. Items sit in blocks of F::
 
-      node 1 = w0+..+w7                      sums:  float64 [2P]   (node 0 unused)
-      ├── node 2 = w0+..+w3                  min/max: float32 [2P, 2], columns
-      │   ├── node 4 = w0+w1  → leaves 8, 9           (min of w > 0, else +inf; -max w)
-      │   └── node 5 = w2+w3  → leaves 10, 11
-      └── node 3 ...          → leaves 12..15  (leaf of item i = P + i; children of n: 2n, 2n+1)
+      leaves  [nb, F] float64   w_0 .. w_{F-1} | w_F .. w_{2F-1} | ... (padding 0)
+      blocks  [nb]    float64   the sum of each block
+      starts  [nb+1]  float64   0, blocks[0], blocks[0]+blocks[1], ...  (cumulative)
 
-Why float64 sums: parents are always recomputed from their children (never updated by deltas),
-so there is no drift, but at 1,000,000 items a float32 sum and a float32 uniform number resolve
-only ~2**24 steps of the total: an average item would own ~17 of them (±6 % bias). Weights
-themselves are float32 (``get`` returns float32); their float64 sums add them exactly enough.
+  A draw is ~15 kernels whatever the capacity (a binary tree descent costs ~4 per level, 80 at
+  1M items): ``searchsorted`` finds the block b with starts[b] < u <= starts[b+1]; inside it,
+  u' = u - starts[b] > 0 (a difference of distinct floats is never 0) is clamped to the row's
+  own cumulative sum, and the item is the first j whose running sum reaches u', so w_j > 0.
+  F grows with sqrt(capacity) to keep both the row scan and the O(nb) rebuild of ``starts``
+  after each ``set`` small.
 
-Descent (TorchRL's ``ScanLowerBound``): item i owns the masses (c_{i-1}, c_i], c_i = w_0+..+w_i.
-Draw u = (1 - U[0, 1)) · total in (0, total], then at each node go right iff u > left sum,
-subtracting it. u > 0 never lands on a leading zero item; round-off at the top of the range
-(u - left may exceed the right sum by an ulp) is guarded: the torch backend clamps u to the
-chosen child's sum, so it only ever enters a subtree of positive sum; the TorchRL backend moves a
-zero-weight result to the nearest positive item. Both happen only in such round-off events.
+Why float64 sums: at 1,000,000 items a float32 sum and a float32 uniform number resolve only
+~2**24 steps of the total: an average item would own ~17 of them (±6 % bias). Sums are always
+recomputed from the weights, never updated by deltas, so they do not drift. Weights themselves
+are float32 (``get`` returns float32); float64 sums add them exactly enough.
 """
 
 from __future__ import annotations
@@ -47,11 +49,6 @@ FLOAT32_MAX = torch.finfo(torch.float32).max  # TorchRL's min-tree identity (pad
 
 
 # --------------------------------------------------------------------------- pure helpers
-def next_power_of_two(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def last_write_wins(items: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort ``items`` and give every copy of a duplicate the value of its last occurrence.
 
@@ -69,12 +66,6 @@ def last_write_wins(items: torch.Tensor, values: torch.Tensor) -> tuple[torch.Te
     return ordered, values.index_select(0, order.index_select(0, first))
 
 
-def ancestors(leaves: torch.Tensor, levels: int) -> torch.Tensor:
-    """Row j holds the nodes j+1 levels above ``leaves`` (parents first, the root last)."""
-    shifts = torch.arange(1, levels + 1, device=leaves.device)  # [L]
-    return torch.bitwise_right_shift(leaves.unsqueeze(0), shifts.unsqueeze(1))  # [L, k]
-
-
 def sample_masses(
     batch_size: int, total: torch.Tensor | float, generator: torch.Generator, device: torch.device
 ) -> torch.Tensor:
@@ -83,32 +74,28 @@ def sample_masses(
     return uniform.neg_().add_(1.0).mul_(total)  # [B] (1 - U) · total; 1 - U is exact on 2**-53
 
 
-def descend(sums: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
-    """Items owning ``masses`` in the float64 sum tree ``sums`` ([2P]); one gather per level.
-
-    Invariant per sample: 0 < u <= sum of the current node, hence the node's sum is > 0. Going
-    right (u > left) keeps u > 0; clamping u to the right sum keeps u <= it despite round-off.
-    """
-    return descend_with_sums(sums, masses)[0]
+def block_width(capacity: int) -> int:
+    """F, the items per block of the torch backend: a power of two near sqrt(capacity) / 32,
+    at least 32 (32 at 1M items, 128 at 10M)."""
+    return max(32, 1 << (max(math.isqrt(capacity) // 32, 1) - 1).bit_length())
 
 
-def descend_with_sums(
-    sums: torch.Tensor, masses: torch.Tensor
+def locate(
+    starts: torch.Tensor, leaves: torch.Tensor, masses: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`descend`'s items and the float64 leaf sums (their weights) it ended on."""
-    leaves = sums.shape[0] // 2  # P
-    lefts, rights = sums[0::2], sums[1::2]  # [P] each: row n = sum of node 2n, of node 2n+1
-    node = torch.ones_like(masses, dtype=torch.long)  # [B] the root
-    u = masses
-    left = right = go_right = masses  # (log2 P >= 1 whenever a draw happens past the root)
-    for _ in range(leaves.bit_length() - 1):  # log2 P levels
-        left, right = lefts.index_select(0, node), rights.index_select(0, node)  # [B]
-        go_right = u > left  # [B]
-        u = torch.where(go_right, torch.minimum(u - left, right), u)
-        node = torch.add(go_right, node, alpha=2)  # child 2n + go_right, in one kernel
-    if leaves == 1:
-        return node - 1, sums.index_select(0, node)
-    return node - leaves, torch.where(go_right, right, left)
+    """The items owning ``masses`` ([B] in (0, total]) and their float64 weights ([B] each).
+
+    ``starts`` ([nb+1]) are the cumulative block sums from 0, ``leaves`` ([nb, F]) the weights.
+    """
+    nb, width = leaves.shape
+    block = torch.searchsorted(starts[1:], masses).clamp_max_(nb - 1)  # [B] starts[b] < u
+    inside = masses - starts.index_select(0, block)  # [B] > 0
+    rows = leaves.index_select(0, block)  # [B, F]
+    running = rows.cumsum(1)  # [B, F]
+    inside = torch.minimum(inside, running[:, -1])  # round-off: u' <= the row's own total
+    column = (running < inside.unsqueeze(1)).sum(1).unsqueeze_(1)  # [B, 1] first c_j >= u'
+    weights = rows.gather(1, column).squeeze_(1)  # [B]
+    return torch.add(column.squeeze_(1), block, alpha=width), weights
 
 
 def nearest_positive(items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -325,71 +312,63 @@ class PriorityIndex(abc.ABC):
 
 
 class TorchPriorityIndex(PriorityIndex):
-    """The pure-torch backend: the trees are tensors on ``device`` (see the module docstring)."""
+    """The pure-torch backend: blocked weights on ``device`` (see the module docstring)."""
 
     backend = BACKEND_TORCH
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         super().__init__(capacity, device)
-        self._leaves = next_power_of_two(capacity)  # P
-        self._levels = self._leaves.bit_length() - 1  # log2 P
-        self._sums = torch.zeros(2 * self._leaves, dtype=torch.float64, device=device)  # [2P]
-        # [2P, 2]: (min of positive weights, else +inf; minus the max weight). Negating the max
-        # lets one amin update both columns.
-        self._extremes = torch.zeros(2 * self._leaves, 2, dtype=torch.float32, device=device)
-        self._extremes[:, 0] = math.inf
+        self._width = block_width(capacity)  # F
+        blocks = -(-capacity // self._width)  # nb
+        self._leaves = torch.zeros(blocks, self._width, dtype=torch.float64, device=device)
+        self._blocks = torch.zeros(blocks, dtype=torch.float64, device=device)  # [nb] sums
+        self._starts = torch.zeros(blocks + 1, dtype=torch.float64, device=device)  # [nb+1]
+        # [nb, 2]: (min of positive weights, else +inf; minus the max weight) per block.
+        self._extremes = leaf_extremes(torch.zeros(blocks, device=device))
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
         items, weights = last_write_wins(items, weights)  # [k], [k]
-        nodes = items + self._leaves  # [k] leaves
-        self._sums.index_copy_(0, nodes, weights.double())
-        self._extremes.index_copy_(0, nodes, leaf_extremes(weights))
-        # Parents are recomputed from both children, level by level: duplicates are harmless.
-        # Levels of at most k nodes are recomputed whole (2 kernels instead of 6 per level).
-        whole = min(self._levels, nodes.numel().bit_length())  # levels 0 .. whole-1: 2**d <= k
-        for parents in ancestors(nodes, self._levels - whole):  # [k] per level, bottom-up
-            self._recompute(parents)
-        for level in reversed(range(whole)):
-            lo, hi = 1 << level, 2 << level
-            torch.sum(self._sums[hi : 2 * hi].view(-1, 2), 1, out=self._sums[lo:hi])
-            torch.amin(self._extremes[hi : 2 * hi].view(-1, 2, 2), 1, out=self._extremes[lo:hi])
+        self._leaves.view(-1).index_copy_(0, items, weights.double())
+        if items.numel() * 4 >= self._blocks.numel():  # many blocks touched: redo them all
+            self._summarize()
+            return
+        # Duplicate blocks recompute the same values: harmless with index_copy_.
+        blocks = items.div(self._width, rounding_mode="floor")  # [k]
+        rows = self._leaves.index_select(0, blocks)  # [k, F]
+        self._blocks.index_copy_(0, blocks, rows.sum(1))
+        self._extremes.index_copy_(0, blocks, leaf_extremes(rows.float()).amin(1))
+        torch.cumsum(self._blocks, 0, out=self._starts[1:])
 
-    def _recompute(self, parents: torch.Tensor) -> None:
-        sums = self._sums.view(-1, 2).index_select(0, parents).sum(1)  # [k]
-        extremes = self._extremes.view(-1, 2, 2).index_select(0, parents).amin(1)  # [k, 2]
-        self._sums.index_copy_(0, parents, sums)
-        self._extremes.index_copy_(0, parents, extremes)
+    def _summarize(self) -> None:
+        """Recompute every block's sum and extremes, and the cumulative starts."""
+        torch.sum(self._leaves, 1, out=self._blocks)
+        self._extremes = leaf_extremes(self._leaves.float()).amin(1)  # [nb, 2]
+        torch.cumsum(self._blocks, 0, out=self._starts[1:])
 
     def _read(self, items: torch.Tensor) -> torch.Tensor:
-        return self._sums.index_select(0, items + self._leaves).float()
+        return self._leaves.view(-1).index_select(0, items).float()
 
     def _rebuild(self, weights: torch.Tensor) -> None:
-        p = self._leaves
-        self._sums[p:].zero_()
-        self._sums[p : p + self.capacity] = weights.double()
-        self._extremes[p:] = leaf_extremes(torch.zeros(p, device=self.device))
-        self._extremes[p : p + self.capacity] = leaf_extremes(weights)
-        for level in reversed(range(self._levels)):  # whole levels, bottom-up
-            lo, hi = 1 << level, 2 << level
-            self._sums[lo:hi] = self._sums[hi : 2 * hi].view(-1, 2).sum(1)
-            self._extremes[lo:hi] = self._extremes[hi : 2 * hi].view(-1, 2, 2).amin(1)
+        self._leaves.zero_()
+        self._leaves.view(-1)[: self.capacity] = weights.double()
+        self._summarize()
 
     def _read_stats(self) -> tuple[float, float, float]:
-        root = torch.stack([self._sums[1], *self._extremes[1].double()])
-        total, smallest, negated_max = root.tolist()  # the one host sync
+        ends = self._extremes.amin(0).double()  # [2]
+        total, smallest, negated_max = torch.cat([self._starts[-1:], ends]).tolist()  # one sync
         return total, smallest, 0.0 - negated_max
 
     def _sample(
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        masses = sample_masses(batch_size, self._sums[1], generator, self.device)  # [B]
-        return descend_with_sums(self._sums, masses)
+        masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
+        return locate(self._starts, self._leaves, masses)
 
 
 def leaf_extremes(weights: torch.Tensor) -> torch.Tensor:
-    """Rows (weight if > 0 else +inf, -weight) of the min/max tree for float32 ``weights``."""
+    """(weight if > 0 else +inf, -weight) along a new last dim, for float32 ``weights``."""
     positive = torch.where(weights > 0, weights, math.inf)
-    return torch.stack([positive, 0.0 - weights], 1)  # [k, 2]
+    return torch.stack([positive, 0.0 - weights], -1)  # [..., 2]
 
 
 class SegmentTreePriorityIndex(PriorityIndex):
