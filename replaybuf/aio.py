@@ -4,6 +4,11 @@ Each coroutine first yields once to the event loop (a cancellation point), then 
 synchronous core call to completion under one lock, with no ``await`` inside. So under
 cancellation an operation either completes or never started, and concurrent tasks (collectors,
 learners, stats readers) never observe a half-applied write.
+
+The ``*_nowait`` appends (anyio's ``send_nowait`` shape) run the core call at once in the
+caller's task, without that yield, which costs more than the append itself. They are safe beside
+the coroutines because no task ever holds the lock across an ``await``. A collector loop that
+uses them must still await something (its environment, a sleep) to let other tasks run.
 """
 
 from __future__ import annotations
@@ -143,6 +148,34 @@ class EpisodeReplayBuffer:
             reward,
             extras,
         )
+
+    def append_observation_action_reward_nowait(
+        self,
+        episode_id: int,
+        observation: Any,
+        action: Any,
+        reward: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """:meth:`append_observation_action_reward` now, without yielding (see the module doc).
+
+        Raises :class:`~replaybuf.episodes.RowsPinned` where the coroutine would wait: every
+        free row pinned by a checkpoint in flight (nothing is changed then).
+        """
+        self._sync.append_observation_action_reward(episode_id, observation, action, reward, extras)
+        self._wake_waiters()
+
+    def append_batch_nowait(
+        self,
+        episode_ids: Sequence[int],
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """:meth:`append_batch` now, without yielding; raises ``RowsPinned`` where it would wait."""
+        self._sync.append_batch(episode_ids, observations, actions, rewards, extras)
+        self._wake_waiters()
 
     async def append_batch(
         self,

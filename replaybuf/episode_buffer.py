@@ -177,8 +177,10 @@ class SyncEpisodeReplayBuffer:
     ) -> None:
         """Record one step: the observation acted in, the action, the reward it earned."""
         self._check_open()
-        what = "append_observation_action_reward"
         episode = self._core.in_progress(episode_id, "append to")
+        if self._core.append_one(episode, observation, action, reward, extras):
+            return
+        what = "append_observation_action_reward"
         row = self._core.step_row(observation, action, reward, extras, False, what)
         self._core.append([episode], row)
 

@@ -27,6 +27,7 @@ from tensordict import TensorDict
 
 from replaybuf.anchors import AnchorSet
 from replaybuf.errors import EpisodeStateError, ReplayBufError, SchemaError
+from replaybuf.fastrow import RowPlan
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
@@ -57,6 +58,7 @@ RETURNED_KEYS = frozenset(
     }
 )
 _NUMBERS = (bool, int, float, np.number, np.bool_)
+_EPISODE_ID_TYPES = (int, np.integer)
 _FLUSH_ROWS = 512  # staged rows written in one storage call
 
 
@@ -137,6 +139,7 @@ class EpisodeCore:
         self.valid_steps = 0
         self.evicted = 0
         self._stager: RowStager | None = None  # created once the spec is known
+        self._plan: RowPlan | None = None  # the per-step fast path, with the stager
         self._staged_meta: list[tuple[int, int, int, int, int]] = []  # row, ep, step, kind, alloc
         self.allocations = 0  # rows ever handed out
         self.priorities: Prioritizer | None = None  # set by a prioritized buffer
@@ -149,7 +152,9 @@ class EpisodeCore:
     # ----------------------------------------------------------------- lookup
     def live(self, episode_id: Any, action: str) -> Episode:
         """The stored episode ``episode_id``, or :class:`EpisodeStateError` naming why not."""
-        if isinstance(episode_id, bool) or not isinstance(episode_id, int | np.integer):
+        if type(episode_id) is not int and (
+            isinstance(episode_id, bool) or not isinstance(episode_id, _EPISODE_ID_TYPES)
+        ):
             raise EpisodeStateError(f"episode_id must be an int, got {episode_id!r}")
         episode_id = int(episode_id)  # ids kept in numpy arrays by vectorized envs work too
         episode = self.episodes.get(episode_id)
@@ -322,11 +327,42 @@ class EpisodeCore:
 
     def append(self, episodes: list[Episode], rows: dict[Key, torch.Tensor]) -> None:
         """Stage one step for each episode (``rows`` holds one row per episode)."""
-        protected = {e.episode_id for e in episodes}
-        self.make_room(len(episodes), len(episodes), 0, protected)
+        self.make_room(len(episodes), len(episodes), 0, {e.episode_id for e in episodes})
         if self.slots.spec is None:
             # Only now, when nothing can refuse the append any more, may it fix the spec.
             self.slots.prepare(FieldSpec.of(rows, 1))
+        self._stage(self._assign_rows(episodes), rows)
+
+    def append_one(
+        self, episode: Episode, observation: Any, action: Any, reward: Any, extras: Any
+    ) -> bool:
+        """Stage one step through the fast path (:mod:`replaybuf.fastrow`) if it applies.
+
+        Returns False, having changed nothing, when it does not (then use :meth:`step_row`
+        and :meth:`append`, which convert or raise).
+        """
+        plan, stager = self._plan, self._stager
+        values = None if plan is None else plan.values(observation, action, reward, extras)
+        if values is None or stager is None:
+            return False
+        if self.steps >= self.max_steps or not self.free or self.max_episodes:
+            self.make_room(1, 1, 0, {episode.episode_id})  # returns at once when all fits
+        # _assign_rows for one episode, inlined: this is the hot path of per-step collectors.
+        row, rows = self.free.pop(), episode.rows
+        self._staged_meta.append((row, episode.episode_id, len(rows), END_NONE, self.allocations))
+        self.allocations += 1
+        if rows:
+            self._staged_links.append((rows[-1], row))
+            self.valid_steps += 1
+        rows.append(row)
+        self.steps += 1
+        if not stager.fits(1):
+            self._write_staged()
+        stager.stage_one(row, values)
+        return True
+
+    def _assign_rows(self, episodes: list[Episode]) -> list[int]:
+        """Free rows for one new step of each episode, linked after its previous step."""
         new_rows = [self.free.pop() for _ in episodes]
         for episode, row in zip(episodes, new_rows, strict=True):
             self._staged_meta.append(
@@ -336,7 +372,7 @@ class EpisodeCore:
                 self._link(episode.rows[-1], row)
             episode.rows.append(row)
         self.steps += len(episodes)
-        self._stage(new_rows, rows)
+        return new_rows
 
     def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
         """Record the end of an episode with its final observation row."""
@@ -391,6 +427,7 @@ class EpisodeCore:
     def _stage(self, rows: list[int], data: dict[Key, torch.Tensor]) -> None:
         if self._stager is None:
             self._stager = RowStager(self.slots.spec, _FLUSH_ROWS)
+            self._plan = RowPlan.of(self.slots.spec)
         if not self._stager.fits(len(rows)):
             self._write_staged()
         if self._stager.fits(len(rows)):

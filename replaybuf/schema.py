@@ -217,7 +217,8 @@ def _to_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise TypeError(f"{what}: field {name!r} is an object array; expected numbers")
-        return torch.from_numpy(np.ascontiguousarray(value))
+        # np.ascontiguousarray would turn a 0-d array into shape (1,): only copy when needed.
+        return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
     if isinstance(value, _SCALARS) and not batched:
         return _scalar(value.item() if isinstance(value, np.generic) else value, name, field, what)
     if isinstance(value, _SCALARS):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from episode_helpers import final_obs, obs, reward, step
+from episode_helpers import batch_of, final_obs, obs, reward, step
 
 from replaybuf import (
     BufferClosedError,
@@ -378,3 +378,37 @@ async def test_closing_mid_epoch_raises_buffer_closed_in_the_reader(tmp_path):
     await buffer.close()  # while the next batch is being prepared
     with pytest.raises(BufferClosedError, match="the buffer is closed"):
         await anext(epochs)
+
+
+async def test_nowait_appends_store_what_awaited_appends_store_and_wake_waiters(tmp_path):
+    async with (
+        EpisodeReplayBuffer(64, scratch_dir=tmp_path, seed=0) as awaited,
+        EpisodeReplayBuffer(64, scratch_dir=tmp_path, seed=0) as nowait,
+    ):
+        waiter = asyncio.create_task(nowait.wait_for_steps(4))
+        await asyncio.sleep(0)
+        a, b = await awaited.start_episode(), await nowait.start_episode()
+        for t in range(5):
+            await awaited.append_observation_action_reward(a, *step(a, t))
+            nowait.append_observation_action_reward_nowait(b, *step(b, t))
+        await awaited.append_batch([a], *batch_of([step(a, 5)]))
+        nowait.append_batch_nowait([b], *batch_of([step(b, 5)]))
+        await asyncio.wait_for(waiter, 1)  # woken by a nowait append, not by polling
+        for buffer, e in ((awaited, a), (nowait, b)):
+            await buffer.end_episode(e, "terminated", final_observation=final_obs(e, 6))
+        one, two = await awaited.get_episode(a), await nowait.get_episode(b)
+        for key in one.keys(include_nested=True, leaves_only=True):
+            assert torch.equal(one[key], two[key]), key
+
+
+async def test_nowait_appends_refuse_a_closed_buffer_and_bad_input_like_the_coroutines(tmp_path):
+    buffer = EpisodeReplayBuffer(16, scratch_dir=tmp_path)
+    e = await buffer.start_episode()
+    buffer.append_observation_action_reward_nowait(e, *step(e, 0))
+    with pytest.raises(SchemaError, match="field 'observation' expected shape"):
+        buffer.append_observation_action_reward_nowait(e, torch.zeros(5), *step(e, 1)[1:])
+    assert len(buffer) == 0
+    assert (await buffer.stats())["steps"] == 1
+    await buffer.close()
+    with pytest.raises(BufferClosedError):
+        buffer.append_observation_action_reward_nowait(e, *step(e, 1))

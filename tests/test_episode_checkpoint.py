@@ -18,6 +18,7 @@ from replaybuf import (
     ReplayBuffer,
     SyncEpisodeReplayBuffer,
 )
+from replaybuf.episodes import RowsPinned
 
 
 def fill(buf: SyncEpisodeReplayBuffer) -> list[int]:
@@ -254,6 +255,10 @@ async def test_writers_needing_pinned_rows_wait_for_the_checkpoint(tmp_path: Pat
         buf._idle.clear()
         try:
             second = await buf.start_episode()  # evicts `first`; its rows stay pinned
+            with pytest.raises(RowsPinned, match="every free row is held"):  # where it'd wait
+                buf.append_observation_action_reward_nowait(
+                    second, obs(second, 0), action(second, 0), 1.0, extras(0)
+                )
             blocked = asyncio.create_task(
                 buf.append_observation_action_reward(
                     second, obs(second, 0), action(second, 0), 1.0, extras(0)

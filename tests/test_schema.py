@@ -13,6 +13,7 @@ from replay_helpers import ids_of, rows, unchanged
 from tensordict import TensorDict
 
 from replaybuf import ReplayBuffer, SchemaError
+from replaybuf.schema import to_leaves
 
 
 def _row() -> dict:
@@ -233,3 +234,10 @@ def test_a_wrong_shape_in_the_first_nested_level_is_named_in_full(make_buffer):
         pytest.raises(SchemaError, match=r"'a\.b' expected shape \[3\], got \[2\]"),
     ):
         buf.add_batch({"a": {"b": torch.zeros(2, 2)}})
+
+
+def test_a_zero_dim_numpy_array_keeps_its_shape():
+    # np.ascontiguousarray(np.array(3)) has shape (1,): a 0-d action must stay a scalar field.
+    leaves = to_leaves({"action": np.array(3)}, batched=False, what="add")
+    assert leaves[("action",)].shape == ()
+    assert leaves[("action",)].item() == 3

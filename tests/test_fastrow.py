@@ -1,0 +1,151 @@
+"""The per-step fast path stores exactly what the general path stores, and declines the rest.
+
+Every case appends the same values to two buffers: one whose appends take the fast path
+(:mod:`replaybuf.fastrow`) and one forced onto the general path; their episodes must be equal
+bit for bit. Declined values must reach the general path, which converts or raises as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaybuf import SchemaError, SyncEpisodeReplayBuffer
+from replaybuf.fastrow import RowPlan, fast_value
+from replaybuf.schema import FieldSpec
+
+
+def spec_of(leaves: dict) -> FieldSpec:
+    return FieldSpec.of(leaves, 0)
+
+
+def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
+    buf._core.append_one = lambda *args: False  # every append converts through to_leaves
+    return buf
+
+
+def fields_equal(a, b) -> bool:
+    keys = set(a.keys(include_nested=True, leaves_only=True))
+    if keys != set(b.keys(include_nested=True, leaves_only=True)):
+        return False
+    return all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in keys)
+
+
+def values_of(kind: str, rng: np.random.Generator):
+    obs = rng.standard_normal(5).astype(np.float32)
+    act = rng.integers(0, 4, ()).astype(np.int64)
+    reward = float(rng.standard_normal())
+    if kind == "numpy":
+        return obs, np.array(act), reward
+    if kind == "torch":
+        return torch.from_numpy(obs), torch.tensor(int(act)), torch.tensor(reward).float()
+    if kind == "grad":  # a tensor that requires grad is stored detached
+        return torch.from_numpy(obs).requires_grad_(), torch.tensor(int(act)), reward
+    return obs.tolist(), int(act), reward  # lists: always the general path
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["numpy", "torch", "grad", "lists"]), min_size=1, max_size=40),
+    seed=st.integers(0, 2**16),
+)
+def test_fast_and_general_paths_store_the_same_rows(kinds, seed):
+    rng = np.random.default_rng(seed)
+    with (
+        SyncEpisodeReplayBuffer(64, storage="tensor", seed=0) as fast,
+        general_path_only(SyncEpisodeReplayBuffer(64, storage="tensor", seed=0)) as slow,
+    ):
+        first = values_of("numpy", rng)  # fixes the spec: obs f32[5], action i64, reward f32
+        for buf in (fast, slow):
+            ep = buf.start_episode()
+            buf.append_observation_action_reward(ep, *first)
+        for kind in kinds:
+            values = values_of(kind, rng)
+            if kind == "lists":
+                values = (np.asarray(values[0], np.float32), values[1], values[2])
+            for buf in (fast, slow):
+                buf.append_observation_action_reward(ep, *values)
+        for buf in (fast, slow):
+            buf.end_episode(ep, "truncated", final_observation=np.zeros(5, np.float32))
+        assert fields_equal(fast.get_episode(ep), slow.get_episode(ep))
+        a = fast.sample_n_step(16, n=2, gamma=0.9)
+        b = slow.sample_n_step(16, n=2, gamma=0.9)
+        assert fields_equal(a, b)
+
+
+def test_the_stored_row_is_a_copy_of_the_callers_array():
+    with SyncEpisodeReplayBuffer(16, storage="tensor") as buf:
+        ep = buf.start_episode()
+        obs = np.ones(3, np.float32)
+        buf.append_observation_action_reward(ep, obs, np.int64(0), 1.0)  # general: fixes spec
+        buf.append_observation_action_reward(ep, obs, np.array(1), 2.0)  # fast path
+        obs[:] = 7.0  # a vectorized env reuses its arrays
+        buf.end_episode(ep, "terminated", final_observation=obs)
+        stored = buf.get_episode(ep)["observation"]
+        assert stored[:2].tolist() == [[1.0] * 3] * 2
+
+
+def test_extras_take_the_fast_path_when_their_keys_match():
+    spec = spec_of(
+        {
+            ("observation",): torch.zeros(2),
+            ("action",): torch.zeros((), dtype=torch.int64),
+            ("reward",): torch.zeros(()),
+            ("extras", "logp"): torch.zeros(()),
+        }
+    )
+    plan = RowPlan.of(spec)
+    obs = np.zeros(2, np.float32)
+    assert plan.values(obs, np.array(1), 0.5, {"logp": -1.0}) is not None
+    assert plan.values(obs, np.array(1), 0.5, None) is None  # missing extras: general path
+    assert plan.values(obs, np.array(1), 0.5, {"logp": -1.0, "x": 1.0}) is None
+    assert plan.values(obs, np.array(1), 0.5, {"other": -1.0}) is None
+
+
+def test_nested_fields_get_no_plan():
+    spec = spec_of(
+        {
+            ("observation", "pixels"): torch.zeros(2, dtype=torch.uint8),
+            ("action",): torch.zeros((), dtype=torch.int64),
+            ("reward",): torch.zeros(()),
+        }
+    )
+    assert RowPlan.of(spec) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "shape", "dtype"),
+    [
+        (np.zeros(3, np.float64), (3,), torch.float32),  # dtype differs
+        (np.zeros(4, np.float32), (3,), torch.float32),  # shape differs
+        (np.zeros((1, 3), np.float32), (3,), torch.float32),  # no broadcasting
+        (torch.zeros(3, dtype=torch.float64), (3,), torch.float32),
+        (torch.zeros(2, dtype=torch.complex64).conj(), (2,), torch.complex64),
+        (1.5, (), torch.int64),  # a float never goes into an integer field
+        (300, (), torch.uint8),  # out of range
+        (-1, (), torch.uint8),
+        (True, (), torch.float32),  # bool into a float field: the general path decides
+        (1, (), torch.float32),  # ints into floats: the general path checks exactness
+        (np.float32(1.0), (), torch.float32),  # numpy scalars: the general path
+        ([1.0, 2.0, 3.0], (3,), torch.float32),
+        (2.0, (1,), torch.float32),
+    ],
+)
+def test_fast_value_declines_anything_inexact(value, shape, dtype):
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    assert fast_value(value, shape, dtype, np_dtype) is None
+
+
+def test_a_declined_bad_value_still_gets_the_general_paths_error_and_changes_nothing():
+    with SyncEpisodeReplayBuffer(16, storage="tensor") as buf:
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, np.zeros(3, np.float32), np.int64(0), 1.0)
+        before = buf.stats()
+        with pytest.raises(SchemaError, match=r"field 'observation' expected dtype torch.float32"):
+            buf.append_observation_action_reward(ep, np.zeros(3, np.float64), np.int64(0), 1.0)
+        with pytest.raises(SchemaError, match=r"field 'action' expected dtype torch.int64"):
+            buf.append_observation_action_reward(ep, np.zeros(3, np.float32), 1.5, 1.0)
+        assert buf.stats() == before
