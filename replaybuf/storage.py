@@ -128,6 +128,7 @@ class SlotStorage:
         self._scratch_parent = scratch_dir
         self._scratch: _ScratchFolder | None = None
         self._leaves: list[tuple[Key, torch.Tensor]] = []
+        self._flat_names: list[str] | None = None
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
@@ -209,6 +210,10 @@ class SlotStorage:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
         self._columns = dict(leaves)
+        # Names of a spec without nested fields: batches then skip nest() and the recursion.
+        self._flat_names = (
+            [k[0] for k, _ in leaves] if all(len(k) == 1 for k, _ in leaves) else None
+        )
         if self.kind == "memmap":
             self._reserve_files(stored)
 
@@ -257,6 +262,9 @@ class SlotStorage:
                 # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
                 # the data has arrived, and nothing here would wait for it.
                 values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
+        if keys is None and not extra and self._flat_names is not None and _NEW_UNSAFE:
+            source = dict(zip(self._flat_names, values, strict=True))
+            return _NEW_UNSAFE(source, batch_size=torch.Size([rows]), device=device)
         names = [k for k, _ in leaves]
         if extra:
             names = names + list(extra)
