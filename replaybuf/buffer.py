@@ -54,6 +54,10 @@ class ReplayBuffer:
             :mod:`replaybuf.prioritized`); batches then carry ``index`` and ``weight``.
         alpha, beta, eps: PER's exponent, importance-weight exponent and priority offset.
         priority_backend: ``"auto"``, ``"torchrl-segment-tree"`` or ``"torch"``.
+        spec: the fields up front (``FieldSpec.declare`` forms, e.g. ``{"obs": ((17,),
+            torch.float32), ...}``) instead of from the first write: ``stats()["planned_bytes"]``
+            is known at once and a buffer the disk, RAM or GPU cannot hold fails here with
+            :class:`~replaybuf.errors.InsufficientSpaceError`, before anything is allocated.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class ReplayBuffer:
         beta: float = 0.4,
         eps: float = 1e-6,
         priority_backend: str = "auto",
+        spec: Any = None,
     ) -> None:
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
@@ -84,9 +89,12 @@ class ReplayBuffer:
             if prioritized
             else None
         )
+        self._declared = None if spec is None else FieldSpec.declare(spec)
         self._slots = SlotStorage(
             capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
+        if self._declared is not None:
+            self._prepare_declared()
         self._generator = torch.Generator(device=self.storing_device)
         if seed is not None:
             self._generator.manual_seed(seed)
@@ -160,11 +168,22 @@ class ReplayBuffer:
         if self._closed:
             raise BufferClosedError("the buffer is closed")
 
+    def _prepare_declared(self) -> None:
+        """Fix the declared spec and check the space now (closing the storage if it fails)."""
+        try:
+            self._slots.prepare(self._declared)
+        except BaseException:
+            self._slots.close()
+            raise
+
     def reset(self, buffer_size: int | None = None) -> None:
-        """Empty the buffer (the field spec too), optionally with a new capacity."""
+        """Empty the buffer (the field spec too, unless declared), optionally with a new
+        capacity."""
         self._check_open()
         if buffer_size is not None:
             buffer_size = positive_int(buffer_size, "buffer_size")
+            if self._declared is not None:  # refuse before dropping anything
+                self._slots.check_space(buffer_size, self._declared)
         self._slots.reset(buffer_size)
         if self._priorities is not None:
             p = self._priorities
@@ -178,6 +197,8 @@ class ReplayBuffer:
         self._writes = -(-self._writes // self.buffer_size) * self.buffer_size
         self._iterator = None
         self._resets += 1
+        if self._declared is not None:
+            self._slots.prepare(self._declared)
         gc.collect()  # release the old storage's mapped files now, as ObjectRL does
         if self.print_gc_warning:
             logger.warning("ReplayBuffer.reset ran the garbage collector")

@@ -79,6 +79,22 @@ class FieldSpec(Mapping[Key, Field]):
             fields[key] = Field(tuple(value.shape[batch_dims:]), value.dtype)
         return cls(fields)
 
+    @classmethod
+    def declare(cls, spec: Any, what: str = "spec") -> FieldSpec:
+        """A spec given up front: a FieldSpec, or a (nested) dict of name -> ``Field``,
+        ``(shape, dtype)`` or an example tensor of one row. Raises ``ValueError`` naming the
+        field for anything else."""
+        if isinstance(spec, FieldSpec):
+            return spec
+        if not isinstance(spec, Mapping) or not spec:
+            raise ValueError(
+                f"{what} must be a FieldSpec or a non-empty dict of fields, got {spec!r}"
+            )
+        fields: dict[Key, Field] = {}
+        for key, value in _flatten_mapping(spec, (), what):
+            fields[key] = _declared_field(value, f"{what} field {key_name(key)!r}")
+        return cls(fields)
+
     def to_json(self) -> dict[str, dict[str, Any]]:
         return {
             key_name(k): {"key": list(k), "shape": list(f.shape), "dtype": str(f.dtype)}
@@ -139,6 +155,28 @@ class FieldSpec(Mapping[Key, Field]):
                 raise SchemaError(
                     f"{what}: field {key_name(key)!r} expected dtype {f.dtype}, got {value.dtype}"
                 )
+
+
+def _declared_field(value: Any, what: str) -> Field:
+    """One declared field: a Field, ``(shape, dtype)`` or an example tensor / array."""
+    if isinstance(value, Field):
+        return value
+    if isinstance(value, torch.Tensor | np.ndarray):
+        example = torch.as_tensor(value)
+        return Field(tuple(example.shape), example.dtype)
+    if isinstance(value, tuple) and len(value) == 2:
+        shape, dtype = value
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+        ok_shape = isinstance(shape, tuple | list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        )
+        if ok_shape and isinstance(dtype, torch.dtype):
+            return Field(tuple(shape), dtype)
+    raise ValueError(
+        f"{what} expected a Field, (shape, dtype) such as ((4,), torch.float32) or an example "
+        f"tensor, got {value!r}"
+    )
 
 
 def _leaves(td: TensorDictBase) -> Iterator[tuple[Key, torch.Tensor]]:

@@ -14,10 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from replay_helpers import ids_of, rows, unchanged
 
 import replaybuf.storage
-from replaybuf import InsufficientSpaceError, ReplayBuffer
+from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
 
@@ -218,3 +219,42 @@ def test_a_relative_scratch_dir_is_cleaned_up_after_a_change_of_directory(tmp_pa
     assert ids_of(buf.sample_all()) == [0, 1]
     buf.close()
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_path, monkeypatch):
+    declared = {
+        "obs": ((4,), torch.float32),
+        "action": ((2,), "float32"),
+        "reward": torch.zeros(()),  # an example row works too
+        "done": Field((), torch.bool),
+        "next": {"obs": ((4,), torch.float32)},
+    }
+    with ReplayBuffer("cpu", "cpu", 100, scratch_dir=tmp_path, spec=declared) as buf:
+        assert buf.stats()["planned_bytes"] == 100 * ROW_BYTES  # before any write
+        assert buf.stats()["bytes"] == 0
+        buf.add_batch(rows(0, 3))  # the first write is checked against the declared spec
+        with pytest.raises(SchemaError, match="keys differ"):
+            buf.add_batch(rows(3, 1).exclude("done"))
+        buf.reset()
+        assert buf.spec == FieldSpec.declare(declared)  # a declared spec survives reset
+    monkeypatch.setattr(replaybuf.storage, "free_bytes", lambda kind, device, folder: 100)
+    with pytest.raises(InsufficientSpaceError, match=rf"needs {10**6 * ROW_BYTES:,} bytes"):
+        ReplayBuffer("cpu", "cpu", 10**6, scratch_dir=tmp_path, spec=declared)
+    assert list(tmp_path.iterdir()) == []  # nothing allocated, no folder left
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({}, "spec must be a FieldSpec or a non-empty dict"),
+        ([1, 2], "spec must be a FieldSpec or a non-empty dict"),
+        ({"obs": (4, torch.float32)}, r"spec field 'obs' expected a Field, \(shape, dtype\)"),
+        ({"obs": ((4,), "float99")}, r"spec field 'obs' expected"),
+        ({"obs": {"x": ((-1,), torch.float32)}}, r"spec field 'obs.x' expected"),
+        ({"obs": "float32"}, r"spec field 'obs' expected"),
+    ],
+)
+def test_a_bad_declared_spec_is_refused_naming_the_field(tmp_path, spec, match):
+    with pytest.raises(ValueError, match=match):
+        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path, spec=spec)
+    assert list(tmp_path.iterdir()) == []
