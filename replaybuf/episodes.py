@@ -441,8 +441,8 @@ class EpisodeCore:
 
     def _write_staged(self) -> None:
         if self._stager is not None and len(self._stager):
-            slots, data = self._stager.drain()
-            self.slots.write(slots, data)
+            slots, values = self._stager.drain()
+            self.slots.write_rows(slots, self._stager.keys, values)
 
     def flush(self) -> None:
         """Write staged rows to storage and apply staged bookkeeping on the storing device."""

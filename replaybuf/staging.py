@@ -9,10 +9,8 @@ vectorized environments reuse for the next step.
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 from replaybuf.schema import FieldSpec, Key
-from replaybuf.storage import build_tensordict
 
 
 class RowStager:
@@ -51,15 +49,10 @@ class RowStager:
             array[at] = value
         self.rows.append(row)
 
-    def drain(self) -> tuple[torch.Tensor, TensorDict]:
-        """The staged rows' storage slots and data (views into the columns), then empty.
-
-        The data must be consumed (written to storage) before the next :meth:`stage`.
-        """
+    def drain(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The staged rows' storage slots and data (views into the columns, in ``keys``
+        order), then empty. The data must be consumed (written) before the next stage."""
         count = len(self.rows)
         slots = torch.tensor(self.rows, dtype=torch.long)
-        data = build_tensordict(
-            self.keys, [c[:count] for c in self.columns], count, torch.device("cpu")
-        )
         self.rows = []
-        return slots, data
+        return slots, [c[:count] for c in self.columns]

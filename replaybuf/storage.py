@@ -195,6 +195,37 @@ class SlotStorage:
 
     def write(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         """Write rows at explicit slots, leaving TorchRL's ring cursor alone."""
+        keys = [k for k, _ in self._leaves] if self._leaves else None
+        if keys is None or not self._direct_writes():
+            self._write_through_torchrl(slots, td)
+        else:
+            self.write_rows(slots, keys, [td.get(k) for k in keys])
+
+    def write_rows(self, slots: torch.Tensor, keys: list[Key], values: list[torch.Tensor]) -> None:
+        """:meth:`write` from flat keys and ``[rows, ...]`` values (every stored key)."""
+        if not self._leaves or not self._direct_writes():
+            rows = slots.shape[0]
+            self._write_through_torchrl(slots, build_tensordict(keys, values, rows, _CPU))
+            return
+        # TorchRL's TensorStorage.set is its bookkeeping (length, last cursor, the revision
+        # that invalidates samplers' caches) plus ``self._storage[cursor] = data``, a TensorDict
+        # advanced-index assignment that costs ~200 µs even for one row, paid by every read
+        # that follows an append. Same bookkeeping through TorchRL's own methods, then one
+        # index_copy_ per column into the very tensors TorchRL holds.
+        slots = slots.to(self.storing_device)
+        storage = self.memory.storage
+        storage._set_last_cursor(slots)
+        storage._get_new_len(values[0], slots)
+        by_key = dict(zip(keys, values, strict=True))
+        for key, column in self._leaves:
+            column.index_copy_(0, slots, by_key[key].to(self.storing_device))
+        storage._bump_mutation_revision()
+
+    def _direct_writes(self) -> bool:
+        """Whether this TorchRL has the bookkeeping methods :meth:`write_rows` repeats."""
+        return all(hasattr(self.memory.storage, name) for name in _SET_BOOKKEEPING)
+
+    def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         first = not self._leaves
         self.memory.storage.set(slots.to(self.storing_device), td.to(self.storing_device))
         if first:
@@ -357,6 +388,9 @@ def _assemble(tree: dict, batch_size: torch.Size, device: torch.device) -> Tenso
 
 
 _NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
+# What TorchRL's TensorStorage.set does besides copying (SlotStorage.write repeats it).
+_CPU = torch.device("cpu")
+_SET_BOOKKEEPING = ("_set_last_cursor", "_get_new_len", "_bump_mutation_revision")
 
 
 class _PinnedStager:

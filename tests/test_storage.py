@@ -258,3 +258,30 @@ def test_a_bad_declared_spec_is_refused_naming_the_field(tmp_path, spec, match):
     with pytest.raises(ValueError, match=match):
         ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path, spec=spec)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_direct_row_writes_land_in_torchrl_storage_with_its_bookkeeping(tmp_path, storage):
+    # After the first write, staged rows are copied straight into TorchRL's tensors (not via
+    # TensorStorage.set); TorchRL's own view must still see them, its length must grow as
+    # set() would grow it, and its mutation revision must move (samplers' caches invalidate).
+    from replaybuf import SyncEpisodeReplayBuffer
+
+    with SyncEpisodeReplayBuffer(64, storage=storage, scratch_dir=tmp_path, seed=0) as buf:
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, torch.tensor([0.0, 0.5]), 0, 1.0)
+        buf.stats()  # flushes: the first write allocates, through TorchRL's set()
+        revision = buf.memory.storage._mutation_revision_value
+        before = revision.value if hasattr(revision, "value") else int(revision)
+        for t in range(1, 6):
+            buf.append_observation_action_reward(ep, torch.tensor([float(t), 0.5]), t, 1.0)
+        buf.end_episode(ep, "truncated", final_observation=torch.tensor([6.0, 0.5]))
+        episode = buf.get_episode(ep)  # flushes the staged rows
+        record = buf._core.episodes[ep]
+        rows = torch.tensor([*record.rows, record.final_row])
+        stored = buf.memory.storage.get(rows)
+        assert torch.equal(stored["observation"], episode["observation"])
+        steps = episode["action"].shape[0]
+        assert torch.equal(stored["action"][:steps], episode["action"])
+        assert len(buf.memory.storage) == 7  # 6 step rows + the final one, as set() counts
+        revision = buf.memory.storage._mutation_revision_value
+        assert (revision.value if hasattr(revision, "value") else int(revision)) > before
