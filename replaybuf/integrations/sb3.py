@@ -1,0 +1,559 @@
+"""stable-baselines3: ``SB3ReplayBuffer``, a ``replay_buffer_class`` for DQN, SAC, TD3 and DDPG.
+
+Pass it as ``DQN(..., replay_buffer_class=SB3ReplayBuffer)``; options go in
+``replay_buffer_kwargs``. SB3 calls ``add(obs, next_obs, action, reward, done, infos)`` once
+per vectorized step and ``sample(batch_size, env)`` per gradient step, and gets the same
+``ReplayBufferSamples`` (shapes, dtypes, device) as from its own ``ReplayBuffer`` (or, with
+``n_steps > 1``, its ``NStepReplayBuffer``).
+
+How SB3's calls map onto episodes. Each environment index has one episode in progress in a
+:class:`replaybuf.SyncEpisodeReplayBuffer`; ``add`` appends ``(obs[i], action[i], reward[i])``
+to it, and when ``done[i]`` ends it with ``final_observation=next_obs[i]`` (SB3 puts the real
+terminal observation there) as ``truncated`` if ``infos[i]["TimeLimit.truncated"]`` and
+``handle_timeout_termination``, else ``terminated``. Each observation is stored once: step t's
+next observation is the row of step t+1, so ``next_obs`` is not stored again (only final
+observations take a row of their own).
+
+A step's next observation only exists in storage once the next ``add`` appends it, so the latest
+transition of each environment is held aside (``n_envs`` transitions, a few rows of RAM) and
+sampled from there: ``sample`` draws uniformly over exactly the transitions SB3's buffer would
+hold, newest included. If ``obs[i]`` is not (bit for bit) the ``next_obs[i]`` of the previous
+``add`` without a ``done`` in between (a reset between two ``learn`` calls, a wrapper that edits
+observations), the episode is ended as ``truncated`` at that ``next_obs`` and a new one begins,
+so every transition comes back exactly as it was added.
+
+Differences from SB3's ``ReplayBuffer``, all documented on :class:`SB3ReplayBuffer`: eviction
+removes whole oldest episodes rather than single oldest rows of a ring; ``optimize_memory_usage``
+is refused (never needed: next observations are never copied); the buffer is not picklable
+(``save_replay_buffer``); there are no ``observations``/``actions``/... arrays to read.
+
+Needs the ``sb3`` extra: ``pip install 'replaybuf[sb3]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from gymnasium import spaces
+    from stable_baselines3.common.buffers import ReplayBuffer as _SB3ReplayBuffer
+    from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
+    from stable_baselines3.common.type_aliases import ReplayBufferSamples
+    from stable_baselines3.common.utils import get_device
+    from stable_baselines3.common.vec_env import VecNormalize
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "replaybuf.integrations.sb3 needs stable-baselines3: pip install 'replaybuf[sb3]'"
+    ) from exc
+
+from replaybuf.args import int_at_least, positive_int
+from replaybuf.episode_buffer import SyncEpisodeReplayBuffer, check_gamma
+from replaybuf.errors import BufferClosedError, EmptyBufferError, SchemaError
+
+__all__ = ["SB3ReplayBuffer"]
+
+_NUMERIC_KINDS = "biuf"  # bool, signed, unsigned, float
+
+
+class SB3ReplayBuffer(_SB3ReplayBuffer):
+    """SB3's replay buffer contract on replaybuf episode storage (no next-observation copies).
+
+    Args (SB3's, in SB3's order; the algorithm passes them):
+        buffer_size: transitions kept, over all environments (``buffer_size // n_envs`` per
+            environment, as in SB3).
+        observation_space: a non-``Dict`` gymnasium space (``Dict`` needs SB3's
+            ``DictReplayBuffer``); observations are stored in its dtype.
+        action_space: actions are stored as ``[action_dim]`` in its dtype (float64 as float32).
+        device: where sampled batches are delivered (``"auto"``: CUDA when available).
+        n_envs: number of parallel environments.
+        optimize_memory_usage: must be False (the default). This buffer never stores a next
+            observation twice, so SB3's memory-optimised variant has nothing to add, and its
+            ``learn()``-time patch writes into a ``dones`` array this buffer does not have.
+        handle_timeout_termination: a ``done`` whose info says ``TimeLimit.truncated`` ends the
+            episode as truncated (sampled with ``dones == 0``, so the target bootstraps);
+            False: every ``done`` is a termination (``dones == 1``), as in SB3.
+
+    Keyword-only (through ``replay_buffer_kwargs``):
+        n_steps, gamma: n-step returns as SB3's ``NStepReplayBuffer`` computes them (``rewards``
+            is the discounted sum up to the first end or truncation, ``discounts`` is
+            ``gamma ** steps``); ``n_steps=1`` (default) returns SB3's one-step samples with
+            ``discounts=None``.
+        max_episodes: stored episodes at most; it also sizes the rows reserved for final
+            observations. Default: replaybuf's reserve of ``buffer_size / 16`` rows, so if
+            episodes average fewer than 16 steps, whole episodes are evicted before
+            ``buffer_size`` transitions are stored: pass ``max_episodes`` (at most
+            ``buffer_size``) to keep the full capacity. Must exceed ``n_envs``.
+        segment_steps: an episode is stored in segments of at most this many steps; a segment
+            ends as truncated at the observation the next one starts with (that observation
+            is stored twice). Bounds what one eviction removes on long or endless episodes.
+            Default ``max(1, buffer_size // n_envs // 4)``.
+        storage, storing_device, scratch_dir: as for :class:`replaybuf.SyncEpisodeReplayBuffer`
+            (default: memory-mapped files in a private folder of the system temp dir, removed on
+            ``close()``, garbage collection or exit).
+        seed: seeds sampling; None draws a seed from NumPy's global generator (which SB3's
+            ``seed=`` seeds), so a seeded SB3 run samples reproducibly.
+
+    SB3 attributes: ``buffer_size`` (per environment), ``n_envs``, ``obs_shape``,
+    ``action_dim``, ``device`` (may be reassigned), ``pos`` and ``full`` (SB3's ring position and
+    wrap flag for the number of ``add`` calls so far), ``size()`` (``transitions // n_envs``:
+    SB3's value until the first eviction). ``reset()`` empties the buffer.
+
+    Eviction differs from SB3's ring. SB3 overwrites the single oldest row of every environment
+    once ``buffer_size`` adds were made; here, when an ``add`` would exceed
+    ``buffer_size`` transitions (or the row reserve), whole oldest episodes go, finished ones
+    first (oldest start first). So after eviction the buffer holds between about
+    ``buffer_size - segment_steps`` and ``buffer_size`` transitions, from the most recent
+    episodes, and the environments' shares may differ from SB3's exact ``buffer_size // n_envs``.
+
+    Not supported: pickling (``model.save_replay_buffer`` raises ``TypeError``; there is no
+    save/load of an ``SB3ReplayBuffer`` yet: ``episode_buffer.save_checkpoint`` saves the stored
+    episodes, not the held-aside newest transitions nor this adapter's state), SB3's
+    index-based ``_get_samples``, and reward normalisation by a ``VecNormalize`` with
+    ``norm_reward=True`` together with ``n_steps > 1`` (SB3 normalises and clips each step's
+    reward; this buffer keeps only the window's sum), which raises ``NotImplementedError``.
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: torch.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        *,
+        n_steps: int = 1,
+        gamma: float = 0.99,
+        max_episodes: int | None = None,
+        segment_steps: int | None = None,
+        storage: str = "auto",
+        storing_device: torch.device | str = "cpu",
+        scratch_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+    ) -> None:
+        # SB3's ReplayBuffer.__init__ is not called: it allocates the observation, next
+        # observation and other arrays this class exists not to have. Its attributes are set here.
+        buffer_size = positive_int(buffer_size, "buffer_size")
+        n_envs = positive_int(n_envs, "n_envs")
+        if isinstance(observation_space, spaces.Dict):
+            raise TypeError(
+                "observation_space: Dict spaces are not supported by SB3ReplayBuffer "
+                "(SB3 uses its DictReplayBuffer for them)"
+            )
+        if not isinstance(observation_space, spaces.Space) or not isinstance(
+            action_space, spaces.Space
+        ):
+            raise TypeError(
+                "observation_space and action_space must be gymnasium spaces, got "
+                f"{type(observation_space).__name__} and {type(action_space).__name__}"
+            )
+        if optimize_memory_usage:
+            raise ValueError(
+                "optimize_memory_usage=True is not supported and not needed: SB3ReplayBuffer "
+                "stores each observation once already (leave it False)"
+            )
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.obs_shape = tuple(get_obs_shape(observation_space))  # type: ignore[arg-type]
+        self.action_dim = get_action_dim(action_space)
+        self.n_envs = n_envs
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.device = get_device(device)
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = bool(handle_timeout_termination)
+        self.n_steps = positive_int(n_steps, "n_steps")
+        self.gamma = check_gamma(gamma)
+        self.max_steps = self.buffer_size * n_envs
+        if segment_steps is None:
+            segment_steps = max(1, self.buffer_size // 4)
+        self.segment_steps = positive_int(segment_steps, "segment_steps")
+        if self.segment_steps > self.buffer_size:
+            raise ValueError(
+                f"segment_steps must be <= buffer_size // n_envs ({self.buffer_size}), "
+                f"got {self.segment_steps}"
+            )
+        if max_episodes is not None and int_at_least(max_episodes, "max_episodes", 1) <= n_envs:
+            raise ValueError(
+                f"max_episodes must exceed n_envs ({n_envs}): each environment keeps one episode "
+                f"in progress, got {max_episodes}"
+            )
+        if seed is None:
+            seed = int(np.random.randint(0, 2**31 - 1))
+        seed = int_at_least(seed, "seed", 0)
+        self._obs_dtype = np.dtype(observation_space.dtype)
+        self._action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
+        # The episode storage delivers on the training device when it can (pinned copies to
+        # CUDA); any other device (e.g. "mps") is reached with one more copy.
+        deliver = self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
+        self._buffer = SyncEpisodeReplayBuffer(
+            self.max_steps,
+            max_episodes,
+            device=deliver,
+            storing_device=storing_device,
+            storage=storage,
+            scratch_dir=scratch_dir,
+            seed=seed,
+        )
+        self._generator = torch.Generator().manual_seed(seed + 1)
+        self._closed = False
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        n, obs_shape = self.n_envs, self.obs_shape
+        self._episode: list[int | None] = [None] * n  # in-progress episode of each env
+        self._length = [0] * n  # steps in that episode's current segment
+        # The latest transition of each env, whose next observation is not in storage yet.
+        self._pending = [False] * n
+        self._pending_obs = np.zeros((n, *obs_shape), dtype=self._obs_dtype)
+        self._pending_next = np.zeros((n, *obs_shape), dtype=self._obs_dtype)
+        self._pending_action = np.zeros((n, self.action_dim), dtype=self._action_dtype)
+        self._pending_reward = np.zeros(n, dtype=np.float32)
+        self._adds = 0
+        self._discontinuities = 0
+        self._segments_split = 0
+
+    # ----------------------------------------------------------------- SB3's counters
+    @property
+    def pos(self) -> int:
+        """Where SB3's ring would write next: ``add`` calls so far modulo ``buffer_size``."""
+        return self._adds % self.buffer_size
+
+    @property
+    def full(self) -> bool:
+        """Whether SB3's ring would have wrapped: at least ``buffer_size`` ``add`` calls."""
+        return self._adds >= self.buffer_size
+
+    def size(self) -> int:
+        """Transitions per environment: ``transitions // n_envs`` (SB3's ``size()`` until the
+        first eviction, at most ``buffer_size``)."""
+        return self.transitions // self.n_envs
+
+    @property
+    def transitions(self) -> int:
+        """Transitions ``sample`` draws from (stored steps, the newest of each env included)."""
+        return len(self._buffer) + sum(self._pending)
+
+    @property
+    def episode_buffer(self) -> SyncEpisodeReplayBuffer:
+        """The replaybuf episode buffer underneath (sequences, episodes, stats, checkpoints).
+
+        Each environment's newest transition is held aside until the next ``add`` and is not
+        in it yet.
+        """
+        return self._buffer
+
+    def stats(self) -> dict[str, Any]:
+        """The episode buffer's stats plus this adapter's counters."""
+        return {
+            **self._buffer.stats(),
+            "transitions": self.transitions,
+            "adds": self._adds,
+            "held_aside": sum(self._pending),
+            "discontinuities": self._discontinuities,
+            "segments_split": self._segments_split,
+        }
+
+    # ----------------------------------------------------------------- writes
+    def add(
+        self,
+        obs: np.ndarray,
+        next_obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
+        next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
+        error (``SchemaError`` naming the argument) the buffer is unchanged."""
+        self._check_open()
+        obs = self._observations(obs, "obs")
+        next_obs = self._observations(next_obs, "next_obs")
+        action = self._actions(action)
+        reward = self._per_env(reward, "reward").astype(np.float32)
+        done = self._per_env(done, "done") != 0
+        truncated = self._timeouts(infos)
+
+        buf = self._buffer
+        n = self.n_envs
+        pending, length, seg = self._pending, self._length, self.segment_steps
+        # An episode continues only from the observation its last step led to (bit for bit),
+        # and a segment holds at most segment_steps steps; otherwise it ends (truncated) there.
+        if all(pending) and _same_bits(obs, self._pending_next):
+            jumped = []
+        else:
+            jumped = [
+                i for i in range(n) if pending[i] and not _same_bits(obs[i], self._pending_next[i])
+            ]
+        full = [i for i in range(n) if pending[i] and length[i] >= seg and i not in jumped]
+        for i in jumped + full:
+            buf.end_episode(self._episode[i], "truncated", torch.from_numpy(self._pending_next[i]))
+            self._episode[i] = None
+        self._discontinuities += len(jumped)
+        self._segments_split += len(full)
+        for i in range(n):
+            if self._episode[i] is None:
+                self._episode[i] = buf.start_episode(agent_id=f"env-{i}")
+                length[i] = 0
+        ids = list(self._episode)
+        buf.append_batch(
+            ids, torch.from_numpy(obs), torch.from_numpy(action), torch.from_numpy(reward)
+        )
+        ended = done.tolist()
+        for i in range(n):
+            length[i] += 1
+            pending[i] = not ended[i]
+            if ended[i]:
+                status = "truncated" if truncated[i] else "terminated"
+                buf.end_episode(ids[i], status, torch.from_numpy(next_obs[i]))
+                self._episode[i] = None
+        # Each env's newest transition, held aside until the next add stores its next obs.
+        if not any(ended):
+            np.copyto(self._pending_obs, obs)
+            np.copyto(self._pending_next, next_obs)
+            np.copyto(self._pending_action, action)
+            np.copyto(self._pending_reward, reward)
+        else:
+            keep = ~done
+            self._pending_obs[keep] = obs[keep]
+            self._pending_next[keep] = next_obs[keep]
+            self._pending_action[keep] = action[keep]
+            self._pending_reward[keep] = reward[keep]
+        self._adds += 1
+
+    def _observations(self, value: Any, name: str) -> np.ndarray:
+        array = self._numeric(value, name, self._obs_dtype, "the observation space's")
+        want = (self.n_envs, *self.obs_shape)
+        if isinstance(self.observation_space, spaces.Discrete) and array.shape == (self.n_envs,):
+            array = array.reshape(want)  # SB3 reshapes discrete observations the same way
+        if array.shape != want:
+            raise SchemaError(
+                f"add: field {name!r} expected shape {list(want)} (n_envs, *observation shape), "
+                f"got {list(array.shape)}"
+            )
+        return np.ascontiguousarray(array)
+
+    def _actions(self, value: Any) -> np.ndarray:
+        array = self._numeric(value, "action", self._action_dtype, "the action space's")
+        n = self.n_envs
+        if array.ndim == 0 or array.shape[0] != n or array.size != n * self.action_dim:
+            raise SchemaError(
+                f"add: field 'action' expected shape [{n}, {self.action_dim}] "
+                f"(n_envs, action_dim), got {list(array.shape)}"
+            )
+        return np.ascontiguousarray(array.reshape(n, self.action_dim))
+
+    def _per_env(self, value: Any, name: str) -> np.ndarray:
+        array = self._numeric(value, name, None, "")
+        if array.shape != (self.n_envs,):
+            raise SchemaError(
+                f"add: field {name!r} expected shape [{self.n_envs}] (n_envs), "
+                f"got {list(array.shape)}"
+            )
+        return array
+
+    @staticmethod
+    def _numeric(value: Any, name: str, dtype: np.dtype | None, whose: str) -> np.ndarray:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value)
+        if array.dtype.kind not in _NUMERIC_KINDS:
+            raise SchemaError(f"add: field {name!r} expected numbers, got dtype {array.dtype}")
+        if dtype is None or array.dtype == dtype:
+            return array
+        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+            raise SchemaError(
+                f"add: field {name!r} expected dtype {dtype} ({whose}), got {array.dtype}, "
+                "which does not cast to it safely"
+            )
+        return array.astype(dtype)
+
+    def _timeouts(self, infos: Any) -> np.ndarray:
+        if not self.handle_timeout_termination:
+            return np.zeros(self.n_envs, dtype=bool)
+        if not isinstance(infos, Sequence) or len(infos) != self.n_envs:
+            got = len(infos) if isinstance(infos, Sequence) else type(infos).__name__
+            raise SchemaError(f"add: field 'infos' expected {self.n_envs} dicts, got {got}")
+        for info in infos:
+            if not isinstance(info, Mapping):
+                raise SchemaError(f"add: field 'infos' expected dicts, got {type(info).__name__}")
+        return np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
+
+    # ----------------------------------------------------------------- sampling
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        """``batch_size`` transitions drawn uniformly with replacement over every transition
+        held, as SB3's ``ReplayBufferSamples`` on ``self.device``.
+
+        ``dones`` is 1 only for a termination; with ``env`` (a ``VecNormalize``) observations
+        and rewards are normalised as SB3 does.
+        """
+        self._check_open()
+        batch_size = positive_int(batch_size, "batch_size")
+        multi = self.n_steps > 1
+        if multi and env is not None and env.norm_reward:
+            raise NotImplementedError(
+                "n_steps > 1 with a VecNormalize that normalises rewards: SB3 normalises and "
+                "clips each step's reward, and this buffer keeps only the n-step sum"
+            )
+        stored = len(self._buffer)
+        held = np.array([i for i, p in enumerate(self._pending) if p], dtype=np.int64)
+        total = stored + held.shape[0]
+        if total == 0:
+            raise EmptyBufferError("cannot sample: the buffer holds no transition yet")
+        pick = torch.randint(0, total, (batch_size,), generator=self._generator)
+        aside = pick >= stored  # which samples are the held-aside newest transitions
+        n_aside = int(aside.sum())
+        parts: list[dict[str, torch.Tensor]] = []
+        if n_aside < batch_size:
+            parts.append(self._stored_part(batch_size - n_aside))
+        if n_aside:
+            parts.append(self._held_part(held[(pick[aside] - stored).numpy()]))
+        fields = parts[0] if len(parts) == 1 else _interleave(parts, aside)
+        return self._samples(fields, env, multi)
+
+    def _stored_part(self, count: int) -> dict[str, torch.Tensor]:
+        batch = self._buffer.sample_n_step(count, n=self.n_steps, gamma=self.gamma)
+        obs = batch.get("observation")
+        fields = {
+            "obs": obs,
+            "action": batch.get("action"),
+            "next_obs": batch.get("next_observation"),
+            "done": batch.get("terminal"),
+            "reward": batch.get("reward"),
+            "steps": batch.get("actual_n"),
+        }
+        if self.n_steps > 1:
+            self._finish_cut_windows(fields, batch.get("cut"), batch.get("episode_id"))
+        return fields
+
+    def _finish_cut_windows(
+        self, fields: dict[str, torch.Tensor], cut: torch.Tensor, episode_id: torch.Tensor
+    ) -> None:
+        """A window cut short at an episode's newest stored observation continues, as in SB3,
+        with that env's held-aside transition (SB3 ends it there: its next observation is
+        known, the one after it not yet)."""
+        if not bool(cut.any()):
+            return
+        envs = [i for i in range(self.n_envs) if self._pending[i]]
+        if not envs:
+            return
+        device = cut.device
+        ids = torch.tensor([self._episode[i] for i in envs], device=device)
+        match = episode_id.unsqueeze(1) == ids.unsqueeze(0)  # [B, envs]
+        extend = cut & match.any(1)
+        rows = torch.nonzero(extend).squeeze(1)
+        if rows.numel() == 0:
+            return
+        env = torch.tensor(envs)[match[rows].float().argmax(1).cpu()].numpy()
+        steps = fields["steps"]
+        scale = self.gamma ** steps[rows].to(torch.float64)
+        add = torch.from_numpy(self._pending_reward[env]).to(device, torch.float64) * scale
+        reward = fields["reward"]
+        reward[rows] = (reward[rows].to(torch.float64) + add).to(reward.dtype)
+        fields["next_obs"][rows] = torch.from_numpy(self._pending_next[env]).to(device)
+        steps[rows] += 1
+
+    def _held_part(self, envs: np.ndarray) -> dict[str, torch.Tensor]:
+        count = envs.shape[0]
+        return {
+            "obs": torch.from_numpy(self._pending_obs[envs]),
+            "action": torch.from_numpy(self._pending_action[envs]),
+            "next_obs": torch.from_numpy(self._pending_next[envs]),
+            "done": torch.zeros(count, dtype=torch.bool),
+            "reward": torch.from_numpy(self._pending_reward[envs]),
+            "steps": torch.ones(count, dtype=torch.long),
+        }
+
+    def _samples(
+        self, fields: dict[str, torch.Tensor], env: VecNormalize | None, multi: bool
+    ) -> ReplayBufferSamples:
+        device = self.device
+        obs, next_obs = fields["obs"], fields["next_obs"]
+        reward = fields["reward"].to(torch.float32).reshape(-1, 1)
+        if env is not None:
+            obs = torch.from_numpy(self._normalize_obs(obs.cpu().numpy(), env))  # type: ignore[arg-type]
+            next_obs = torch.from_numpy(self._normalize_obs(next_obs.cpu().numpy(), env))  # type: ignore[arg-type]
+            reward = torch.from_numpy(self._normalize_reward(reward.cpu().numpy(), env))
+        discounts = None
+        if multi:
+            steps = fields["steps"].to(torch.float64).reshape(-1, 1)
+            discounts = (self.gamma**steps).to(device=device, dtype=torch.float32)
+        return ReplayBufferSamples(
+            observations=obs.to(device),
+            actions=fields["action"].to(device),
+            next_observations=next_obs.to(device),
+            dones=fields["done"].to(device=device, dtype=torch.float32).reshape(-1, 1),
+            rewards=reward.to(device),
+            discounts=discounts,
+        )
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
+        raise NotImplementedError(
+            "SB3ReplayBuffer has no ring rows to index: use sample(batch_size, env)"
+        )
+
+    # ----------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        """Drop every transition (SB3's ``reset``); episode ids keep counting."""
+        self._check_open()
+        self._buffer.clear()
+        self._reset_state()
+
+    def close(self) -> None:
+        """Release the storage and remove its memmap files. Idempotent.
+
+        Garbage collection and interpreter exit remove them too; ``with SB3ReplayBuffer(...)``
+        or ``model.replay_buffer.close()`` does it at a known time.
+        """
+        self._closed = True
+        self._buffer.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise BufferClosedError("the buffer is closed")
+
+    def __enter__(self) -> SB3ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "SB3ReplayBuffer cannot be pickled (model.save_replay_buffer): its rows live in "
+            "replaybuf storage, and no save/load of the adapter exists yet"
+        )
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one dtype and shape hold the same bytes (NaN equals itself)."""
+    return a.tobytes() == b.tobytes()
+
+
+def _interleave(
+    parts: list[dict[str, torch.Tensor]], aside: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Stored samples where ``aside`` is False and held-aside ones where it is True, in order."""
+    stored, held = parts
+    out = {}
+    for name, first in stored.items():
+        second = held[name].to(first.device)
+        merged = torch.empty(
+            (aside.shape[0], *first.shape[1:]), dtype=first.dtype, device=first.device
+        )
+        mask = aside.to(first.device)
+        merged[~mask] = first
+        merged[mask] = second.to(first.dtype)
+        out[name] = merged
+    return out
