@@ -42,6 +42,9 @@ class InsufficientSpaceError(ReplayBufError, MemoryError):
             f"not enough space on {where}: the buffer needs {needed:,} bytes, {free:,} are free"
         )
 
+    def __reduce__(self) -> tuple:  # picklable (Ray, multiprocessing): rebuild from the fields
+        return type(self), (self.where, self.needed, self.free)
+
 
 class CheckpointError(ReplayBufError, RuntimeError):
     """A checkpoint that cannot be written or read; the subclasses say why."""
@@ -71,8 +74,12 @@ class UnsupportedVersionError(CheckpointError, ValueError):
     ) -> None:
         self.version = version
         self.supported = supported
+        self.where = where
         expected = f"expected {supported}, " if supported is not None else ""
         super().__init__(
             f"{where}: format_version {expected}got {version!r}"
             " (written by another replaybuf version?)"
         )
+
+    def __reduce__(self) -> tuple:  # picklable (Ray, multiprocessing): rebuild from the fields
+        return type(self), (self.version, self.supported, self.where)

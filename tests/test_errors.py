@@ -410,3 +410,23 @@ def test_loading_metadata_of_another_spec_into_a_filled_buffer_raises(filled, tm
         pytest.raises(MetadataError, match=r"spec: metadata has FieldSpec\(obs: float64\[4\]\)"),
     ):
         filled.load(path)
+
+
+def test_every_error_survives_pickling_with_its_message_and_fields():
+    # Errors cross process boundaries (Ray actors, multiprocessing): each must unpickle.
+    import pickle
+
+    import replaybuf.errors as errors
+
+    made = {
+        errors.InsufficientSpaceError: errors.InsufficientSpaceError("disk at /x", 10, 2),
+        errors.UnsupportedVersionError: errors.UnsupportedVersionError(7, 1, "ckpt"),
+    }
+    for name in dir(errors):
+        kind = getattr(errors, name)
+        if isinstance(kind, type) and issubclass(kind, errors.ReplayBufError):
+            error = made.get(kind) or kind("what went wrong")
+            back = pickle.loads(pickle.dumps(error))
+            assert type(back) is kind
+            assert str(back) == str(error)
+            assert back.__dict__ == error.__dict__
