@@ -1,0 +1,668 @@
+"""The episode buffer as a Ray async actor, for collectors and a learner on many processes or nodes.
+
+:class:`RemoteEpisodeReplayBuffer` is a thin, picklable client: pass it to collector actors (or
+look the actor up by name on another node) and ``await`` the same methods as on
+:class:`replaybuf.EpisodeReplayBuffer`. The actor runs one ``EpisodeReplayBuffer`` in its event
+loop, so its asyncio semantics (each call atomic, a checkpoint is a snapshot of one instant)
+hold across processes.
+
+Transport: a tensor never goes through ``torch``'s pickler (which copies each storage into a
+bytes object). A sampled TensorDict leaves the actor as a :class:`PackedBatch`, a flat tuple of
+``(key, numpy array)`` leaves; Ray serializes numpy arrays out of band, so a large batch is one
+object in the shared-memory object store, written once and mapped by a reader on the same node.
+The client rebuilds the TensorDict on its own ``device`` (one copy, so the tensors it returns
+are writable and owned by the caller). Tensors passed to ``append_*`` travel the same way.
+
+Needs the ``ray`` extra: ``pip install 'replaybuf[ray]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import os
+import pickle
+import warnings
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+try:
+    import ray
+    from ray.actor import ActorHandle
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("replaybuf.integrations.ray needs Ray: pip install 'replaybuf[ray]'") from exc
+
+from replaybuf.aio import EpisodeReplayBuffer
+from replaybuf.errors import BufferClosedError
+from replaybuf.sampling import NArg
+from replaybuf.storage import resolve_device
+
+__all__ = ["PackedArray", "PackedBatch", "RemoteEpisodeReplayBuffer", "pack_batch", "unpack_batch"]
+
+# Integer dtypes of each element size: numpy has no bfloat16 / float8, so those travel as bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_READ_ONLY = "The given NumPy array is not writable"
+
+
+# --------------------------------------------------------------------------------- transport
+@dataclass(frozen=True)
+class PackedArray:
+    """One tensor in transit: a numpy array Ray moves zero-copy, and the torch dtype it holds."""
+
+    array: np.ndarray
+    dtype: str  # torch dtype name ("float32", "bfloat16", ...); the array may hold its bits
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A TensorDict in transit: its batch size and its leaves, by nested key, flat."""
+
+    batch_size: tuple[int, ...]
+    leaves: tuple[tuple[tuple[str, ...], PackedArray], ...]
+
+
+def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
+    """A tensor as a CPU numpy array (shared with the tensor when it is already one)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"{name}: only dense tensors can be sent to a Ray buffer, got {tensor!r}")
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    try:
+        array = tensor.numpy()
+    except TypeError:  # no numpy dtype (bfloat16, float8, complex32): send the bits
+        array = tensor.view(_BITS[tensor.element_size()]).numpy()
+    return PackedArray(array, dtype)
+
+
+def _unpack_tensor(packed: PackedArray, device: torch.device, copy: bool) -> torch.Tensor:
+    """The tensor of a :class:`PackedArray` on ``device``; ``copy`` makes it writable memory."""
+    dtype = getattr(torch, packed.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"packed array: unknown torch dtype {packed.dtype!r}")
+    array = packed.array
+    if copy and device.type == "cpu" and not array.flags.writeable:
+        array = array.copy()  # numpy's copy: several times faster than a fresh torch clone here
+    with warnings.catch_warnings():  # arrays from Ray's object store are read-only views
+        warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)
+        tensor = torch.from_numpy(array)
+    if tensor.dtype != dtype:
+        tensor = tensor.view(dtype)
+    return tensor if device.type == "cpu" else tensor.to(device)  # the H2D copy is the copy
+
+
+def pack_batch(batch: TensorDictBase) -> PackedBatch:
+    """A TensorDict as numpy leaves, so Ray moves it without pickling tensors one by one."""
+    if not isinstance(batch, TensorDictBase):
+        raise TypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
+    leaves = []
+    for key, value in batch.items(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch: field {'.'.join(key)!r} is not a tensor ({value!r})")
+        leaves.append((key, _pack_tensor(value, ".".join(key))))
+    return PackedBatch(tuple(batch.batch_size), tuple(leaves))
+
+
+def unpack_batch(
+    packed: PackedBatch, device: torch.device | str = "cpu", *, copy: bool = True
+) -> TensorDict:
+    """The TensorDict of :func:`pack_batch` on ``device``.
+
+    With ``copy`` (the default) every tensor owns writable memory; ``copy=False`` keeps CPU
+    tensors as views of the received arrays, read-only when they sit in Ray's object store.
+    """
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
+    device = resolve_device(device, "device")
+    td = TensorDict({}, batch_size=list(packed.batch_size), device=device)
+    for key, leaf in packed.leaves:
+        td.set(key, _unpack_tensor(leaf, device, copy))
+    return td
+
+
+def _pack_value(value: Any) -> Any:
+    """An argument for the actor: tensors and numeric arrays (also inside dicts) packed."""
+    if isinstance(value, TensorDictBase):
+        return pack_batch(value)
+    if isinstance(value, torch.Tensor):
+        return _pack_tensor(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return _pack_tensor(torch.from_numpy(np.ascontiguousarray(value)))
+    if type(value) is dict:
+        return {k: _pack_value(v) for k, v in value.items()}
+    return value  # numbers, ids, strings and anything the buffer itself will judge
+
+
+def _unpack_value(value: Any) -> Any:
+    """An argument as the buffer expects it; no copy: the buffer copies what it stores."""
+    cpu = torch.device("cpu")
+    if isinstance(value, PackedBatch):
+        return unpack_batch(value, cpu, copy=False)
+    if isinstance(value, PackedArray):
+        return _unpack_tensor(value, cpu, copy=False)
+    if type(value) is dict:
+        return {k: _unpack_value(v) for k, v in value.items()}
+    return value
+
+
+def _pack_result(value: Any) -> Any:
+    """A result for the client: TensorDicts (also in a list) packed, the rest as is."""
+    if isinstance(value, TensorDictBase):
+        return pack_batch(value)
+    if isinstance(value, list):
+        return [_pack_result(v) for v in value]
+    return value
+
+
+def _unpack_result(value: Any, device: torch.device) -> Any:
+    """A result as the local buffer would return it, batches rebuilt on ``device``."""
+    if isinstance(value, PackedBatch):
+        return unpack_batch(value, device)
+    if isinstance(value, list):
+        return [_unpack_result(v, device) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------------- errors
+class _PortableError(Exception):
+    """Carries an exception whose class does not unpickle (its ``__init__`` wants more args)."""
+
+    def rebuild(self) -> BaseException:
+        """The original exception's class, message and attributes, built without ``__init__``."""
+        cls, args, state = self.args
+        for new in (cls.__new__, BaseException.__new__):  # MemoryError's own refuses subclasses
+            try:
+                error = new(cls)
+            except TypeError:
+                continue
+            error.args = args
+            error.__dict__.update(state)
+            return error
+        return RuntimeError(f"{cls.__module__}.{cls.__qualname__}: {args}")
+
+
+@contextlib.contextmanager
+def _portable_errors() -> Iterator[None]:
+    """Let an error raised in the actor reach the client as its own class, message and fields."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            raise _PortableError(type(error), error.args, dict(vars(error))) from error
+        raise
+
+
+# --------------------------------------------------------------------------------- the actor
+# The EpisodeReplayBuffer coroutines a client may call through ``_BufferActor.call``.
+_CALLS = frozenset(
+    {
+        "start_episode",
+        "append_observation_action_reward",
+        "append_batch",
+        "end_episode",
+        "sample_n_step",
+        "sample_sequences",
+        "get_episode",
+        "sample_episodes",
+        "update_priorities",
+        "set_beta",
+        "stats",
+        "wait_for_steps",
+        "clear",
+        "save_checkpoint",
+        "save",
+        "load",
+    }
+)
+
+
+@dataclass
+class _Epoch:
+    """An epoch iterator kept in the actor between a client's ``epochs_next`` calls."""
+
+    batches: AsyncIterator[TensorDict]
+    lock: asyncio.Lock
+
+
+class _BufferActor:
+    """One EpisodeReplayBuffer in a Ray async actor; every method runs in the actor's loop."""
+
+    def __init__(self) -> None:
+        self._buffer: EpisodeReplayBuffer | None = None
+        self._epochs: dict[int, _Epoch] = {}
+        self._tokens = itertools.count()
+
+    def _live(self) -> EpisodeReplayBuffer:
+        """The buffer, or BufferClosedError once :meth:`shutdown` ran."""
+        if self._buffer is None:
+            raise BufferClosedError("the buffer is closed")
+        return self._buffer
+
+    async def open(self, directory: str | None, kwargs: dict[str, Any]) -> None:
+        """Build the buffer here, not in ``__init__``, so a bad argument returns as itself."""
+        with _portable_errors():
+            if directory is None:
+                self._buffer = EpisodeReplayBuffer(**kwargs)
+            else:
+                self._buffer = await EpisodeReplayBuffer.open(directory, **kwargs)
+
+    async def call(self, request: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
+        """Run ``(method, args, kwargs)`` on the buffer; TensorDicts come back packed.
+
+        One argument, not several: Ray serializes each argument of a call on its own.
+        """
+        method, args, kwargs = request
+        if method not in _CALLS:
+            raise AttributeError(f"the Ray buffer actor has no method {method!r}")
+        buffer = self._live()
+        args = tuple(_unpack_value(a) for a in args)
+        kwargs = {k: _unpack_value(v) for k, v in kwargs.items()}
+        with _portable_errors():
+            return _pack_result(await getattr(buffer, method)(*args, **kwargs))
+
+    async def epochs_open(self, batch_size: int, n_epochs: int, **kwargs: Any) -> int:
+        """Start an epoch iterator and return its token for ``epochs_next``."""
+        batches = self._live().iterate_epochs(batch_size, n_epochs, **kwargs)  # checks on 1st next
+        token = next(self._tokens)
+        self._epochs[token] = _Epoch(batches, asyncio.Lock())
+        return token
+
+    async def epochs_next(self, token: int) -> PackedBatch | None:
+        """The iterator's next batch, packed; None once it is exhausted or closed."""
+        epoch = self._epochs.get(token)
+        if epoch is None:
+            self._live()  # closed buffer: say so rather than end the iteration quietly
+            return None
+        async with epoch.lock:
+            if token not in self._epochs:
+                return None
+            try:
+                with _portable_errors():
+                    batch = await anext(epoch.batches)
+            except StopAsyncIteration:
+                self._epochs.pop(token, None)
+                return None
+            except BaseException:
+                self._epochs.pop(token, None)
+                await epoch.batches.aclose()
+                raise
+        return pack_batch(batch)
+
+    async def epochs_close(self, token: int) -> None:
+        """Drop an epoch iterator the client stopped using."""
+        epoch = self._epochs.pop(token, None)
+        if epoch is not None:
+            async with epoch.lock:
+                await epoch.batches.aclose()
+
+    async def shutdown(self) -> None:
+        """Close every epoch iterator and the buffer (after a checkpoint in flight is written)."""
+        epochs, self._epochs = self._epochs, {}
+        for token in list(epochs):
+            epoch = epochs[token]
+            async with epoch.lock:
+                await epoch.batches.aclose()
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            await buffer.close()
+
+
+_RemoteBufferActor = ray.remote(_BufferActor)
+
+
+# --------------------------------------------------------------------------------- the client
+def _rebuild(
+    actor: ActorHandle, device: str, name: str | None, closed: bool
+) -> RemoteEpisodeReplayBuffer:
+    """Unpickle a client without checking its device here (a collector may have no GPU)."""
+    client = RemoteEpisodeReplayBuffer.__new__(RemoteEpisodeReplayBuffer)
+    client._actor, client._device, client._name, client._closed = (
+        actor,
+        torch.device(device),
+        name,
+        closed,
+    )
+    return client
+
+
+class RemoteEpisodeReplayBuffer:
+    """A handle on an :class:`~replaybuf.EpisodeReplayBuffer` running in a Ray actor.
+
+    Every method is awaited and mirrors the local one. Batches arrive as TensorDicts on
+    ``device``. The handle pickles (send it to collector actors); :meth:`close` shuts the actor
+    down for every handle, after which any method raises :class:`BufferClosedError`.
+    """
+
+    def __init__(
+        self, actor: ActorHandle, *, device: torch.device | str = "cpu", name: str | None = None
+    ) -> None:
+        """Wrap a buffer actor's handle (:meth:`create` and :meth:`get` are the usual way)."""
+        if not isinstance(actor, ActorHandle):
+            raise TypeError(f"actor must be a Ray actor handle, got {type(actor).__name__}")
+        self._actor = actor
+        self._device = resolve_device(device, "device")
+        self._name = name
+        self._closed = False
+
+    @classmethod
+    async def create(
+        cls,
+        max_steps: int,
+        max_episodes: int | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        directory: str | os.PathLike | None = None,
+        name: str | None = None,
+        namespace: str | None = None,
+        lifetime: str | None = None,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        resources: dict[str, float] | None = None,
+        scheduling_strategy: Any = None,
+        actor_options: dict[str, Any] | None = None,
+        **buffer_kwargs: Any,
+    ) -> RemoteEpisodeReplayBuffer:
+        """Start a buffer actor and return a handle on it (a bad argument raises here, as itself).
+
+        ``device`` is where this handle delivers batches (the actor samples on CPU). With
+        ``directory`` the actor runs ``EpisodeReplayBuffer.open(directory, ...)`` on its node:
+        it loads the checkpoint there, if any, and ``save_checkpoint()`` writes there.
+        ``name``/``namespace``/``lifetime`` (``"detached"``), ``num_cpus``, ``num_gpus``,
+        ``resources`` and ``scheduling_strategy`` are Ray actor options (``actor_options``
+        passes any other); ``buffer_kwargs`` are the buffer's (``storage``, ``seed``, ...).
+        """
+        device = resolve_device(device, "device")
+        try:  # a misspelt argument fails here, before a process starts
+            inspect.signature(EpisodeReplayBuffer).bind(max_steps, max_episodes, **buffer_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"RemoteEpisodeReplayBuffer.create: {exc}") from exc
+        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        for key, value in (
+            ("name", name),
+            ("namespace", namespace),
+            ("lifetime", lifetime),
+            ("resources", resources),
+            ("scheduling_strategy", scheduling_strategy),
+        ):
+            if value is not None:
+                options[key] = value
+        options.update(actor_options or {})
+        actor = _RemoteBufferActor.options(**options).remote()
+        kwargs = {"max_steps": max_steps, **buffer_kwargs}
+        if max_episodes is not None:  # unset: open() takes a checkpoint's max_episodes as is
+            kwargs["max_episodes"] = max_episodes
+        kwargs["device"] = "cpu"  # batches leave the actor through host memory anyway
+        client = cls(actor, device=device, name=name)
+        try:
+            await client._await(
+                "create", actor.open.remote(None if directory is None else str(directory), kwargs)
+            )
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            client._closed = True
+            raise
+        return client
+
+    @classmethod
+    def get(
+        cls, name: str, *, namespace: str | None = None, device: torch.device | str = "cpu"
+    ) -> RemoteEpisodeReplayBuffer:
+        """A handle on the buffer actor created with ``name`` (e.g. detached, on another node)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError as exc:
+            raise ValueError(
+                f"name: no Ray actor named {name!r} in namespace {namespace or 'current'}"
+            ) from exc
+        return cls(actor, device=device, name=name)
+
+    def with_device(self, device: torch.device | str) -> RemoteEpisodeReplayBuffer:
+        """Another handle on the same actor that delivers batches on ``device``."""
+        client = type(self)(self._actor, device=device, name=self._name)
+        client._closed = self._closed
+        return client
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle as the actor handle plus settings, so collectors on any node can use it."""
+        return _rebuild, (self._actor, str(self._device), self._name, self._closed)
+
+    def __repr__(self) -> str:
+        """Name, device and whether this handle was closed."""
+        state = "closed" if self._closed else "open"
+        return f"RemoteEpisodeReplayBuffer({self._label()}, device={self._device}, {state})"
+
+    @property
+    def actor(self) -> ActorHandle:
+        """The Ray actor handle (for ``ray.kill``, ``ray.get_actor`` or custom calls)."""
+        return self._actor
+
+    @property
+    def device(self) -> torch.device:
+        """Where this handle delivers batches."""
+        return self._device
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called on this handle (or the one it was copied from)."""
+        return self._closed
+
+    # ----------------------------------------------------------------- calling the actor
+    def _label(self) -> str:
+        """How error messages name the actor."""
+        return f"buffer actor {self._name!r}" if self._name else "buffer actor"
+
+    def _check_usable(self, method: str) -> None:
+        """Raise BufferClosedError naming ``method`` before a call that cannot reach the actor."""
+        if self._closed:
+            raise BufferClosedError(
+                f"RemoteEpisodeReplayBuffer.{method}: the buffer was shut down (close() was called)"
+            )
+        if not ray.is_initialized():
+            raise BufferClosedError(
+                f"RemoteEpisodeReplayBuffer.{method}: Ray is not running in this process "
+                "(ray.shutdown() was called, or ray.init() never was), so the "
+                f"{self._label()} cannot be reached"
+            )
+
+    async def _await(self, method: str, ref: Any) -> Any:
+        """Await one actor call, turning Ray's errors into the buffer's own."""
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # best effort: the actor may be gone already
+                ray.cancel(ref)  # the actor cancels the coroutine: it completed or never started
+            raise
+        except RayTaskError as error:
+            cause = error.cause
+            if isinstance(cause, _PortableError):
+                cause = cause.rebuild()
+            if isinstance(cause, BufferClosedError):
+                raise BufferClosedError(
+                    f"RemoteEpisodeReplayBuffer.{method}: the buffer was shut down "
+                    f"({self._label()}: {cause})"
+                ) from error
+            if isinstance(cause, Exception) and not isinstance(cause, RayTaskError):
+                raise cause from error  # SchemaError, EmptyBufferError, ... as raised locally
+            raise
+        except ActorUnavailableError:
+            raise  # a transient network failure: the actor may come back, retrying may work
+        except RayActorError as error:
+            raise BufferClosedError(
+                f"RemoteEpisodeReplayBuffer.{method}: the {self._label()} is gone (shut down "
+                f"through another handle, killed, or its node died): {type(error).__name__}"
+            ) from error
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run one buffer method in the actor: arguments packed there, results unpacked here."""
+        self._check_usable(method)
+        packed_args = tuple(_pack_value(a) for a in args)
+        packed_kwargs = {k: _pack_value(v) for k, v in kwargs.items()}
+        ref = self._actor.call.remote((method, packed_args, packed_kwargs))
+        return _unpack_result(await self._await(method, ref), self._device)
+
+    # ----------------------------------------------------------------- writes
+    async def start_episode(self, agent_id: str = "default") -> int:
+        """Start an episode in the remote buffer and return its id."""
+        return await self._call("start_episode", agent_id)
+
+    async def append_observation_action_reward(
+        self,
+        episode_id: int,
+        observation: Any,
+        action: Any,
+        reward: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Record one step (one actor round trip: prefer :meth:`append_batch` for many envs)."""
+        await self._call(
+            "append_observation_action_reward", episode_id, observation, action, reward, extras
+        )
+
+    async def append_batch(
+        self,
+        episode_ids: Sequence[int],
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """One step for each of several episodes in one round trip; leading dim = episodes."""
+        await self._call("append_batch", list(episode_ids), observations, actions, rewards, extras)
+
+    async def end_episode(
+        self, episode_id: int, status: str = "terminated", final_observation: Any = None
+    ) -> None:
+        """End an episode: ``terminated`` (or ``COMPLETED``) or ``truncated``."""
+        await self._call("end_episode", episode_id, status, final_observation)
+
+    # ----------------------------------------------------------------- reads
+    async def sample_n_step(
+        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+    ) -> TensorDict:
+        """``batch_size`` n-step transitions, delivered on this handle's device."""
+        return await self._call("sample_n_step", batch_size, n, gamma, replace=replace)
+
+    async def sample_sequences(
+        self, batch_size: int, seq_len: int, *, strict: bool = True
+    ) -> TensorDict:
+        """``[batch_size, seq_len]`` runs of steps, delivered on this handle's device."""
+        return await self._call("sample_sequences", batch_size, seq_len, strict=strict)
+
+    async def get_episode(self, episode_id: int) -> TensorDict:
+        """One whole stored episode, time-major."""
+        return await self._call("get_episode", episode_id)
+
+    async def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+        """``k`` whole episodes drawn uniformly."""
+        return await self._call("sample_episodes", k, replace=replace)
+
+    async def iterate_epochs(
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> AsyncIterator[TensorDict]:
+        """``async for`` n-step epoch batches; the next one is fetched while the caller works.
+
+        The iterator lives in the actor (semantics of ``EpisodeReplayBuffer.iterate_epochs``);
+        leaving the loop early tells the actor to drop it.
+        """
+        what = "iterate_epochs"
+        self._check_usable(what)
+        options = {"n": n, "gamma": gamma, "shuffle": shuffle, "drop_last": drop_last}
+        ref = self._actor.epochs_open.remote(batch_size, n_epochs, **options)
+        token = await self._await(what, ref)
+        pending = None
+        try:
+            pending = self._actor.epochs_next.remote(token)
+            while True:
+                packed = await self._await(what, pending)
+                if packed is None:
+                    pending = None
+                    return
+                self._check_usable(what)
+                pending = self._actor.epochs_next.remote(token)  # overlaps the caller's work
+                yield unpack_batch(packed, self._device)
+        finally:
+            if pending is not None and not self._closed and ray.is_initialized():
+                with contextlib.suppress(Exception):  # the actor or Ray is gone: nothing to drop
+                    self._actor.epochs_close.remote(token)  # not awaited: may run in a finalizer
+
+    async def update_priorities(self, index: Any, priority: Any) -> int:
+        """Set sampled steps' priorities (by a batch's ``index``); returns how many applied."""
+        return await self._call("update_priorities", index, priority)
+
+    async def set_beta(self, beta: float) -> None:
+        """Change the importance-weight exponent of a prioritized buffer."""
+        await self._call("set_beta", beta)
+
+    async def stats(self) -> dict[str, Any]:
+        """The remote buffer's counters (``valid_steps`` is its ``len``)."""
+        return await self._call("stats")
+
+    async def wait_for_steps(self, min_steps: int) -> None:
+        """Return once the remote buffer holds at least ``min_steps`` valid steps."""
+        await self._call("wait_for_steps", min_steps)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def clear(self) -> None:
+        """Drop every episode (ids keep counting)."""
+        await self._call("clear")
+
+    async def save_checkpoint(
+        self, directory: str | os.PathLike | None = None, *, durable: bool = True
+    ) -> Path:
+        """Checkpoint the buffer from inside the actor: ``directory`` is on the actor's node."""
+        return await self._call(
+            "save_checkpoint", None if directory is None else str(directory), durable=durable
+        )
+
+    async def save(self, path: str | os.PathLike) -> None:
+        """Write the remote buffer's metadata to ``path + ".metadata"`` on the actor's node."""
+        await self._call("save", str(path))
+
+    async def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read and check metadata at ``path`` on the actor's node."""
+        return await self._call("load", str(path))
+
+    async def close(self) -> None:
+        """Close the buffer (its files are removed) and end the actor, for every handle.
+
+        Idempotent; after it, any method raises :class:`BufferClosedError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if not ray.is_initialized():
+            return  # the cluster went away with Ray: nothing is left to shut down
+        try:
+            await self._actor.shutdown.remote()
+        except RayActorError:
+            pass  # already dead: nothing to close
+        finally:
+            ray.kill(self._actor, no_restart=True)
+
+    async def __aenter__(self) -> RemoteEpisodeReplayBuffer:
+        """``async with``: :meth:`close` on exit."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Close the buffer and end its actor."""
+        await self.close()
