@@ -17,7 +17,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from tensordict import TensorDict
@@ -28,6 +28,9 @@ from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 from replaybuf.episodes import RowsPinned
 from replaybuf.errors import BufferClosedError
 from replaybuf.sampling import NArg
+
+if TYPE_CHECKING:
+    from replaybuf.dataset import ReplayDataset
 
 T = TypeVar("T")
 _RETRY: Any = object()  # a call refused by RowsPinned, to run again
@@ -56,6 +59,8 @@ class EpisodeReplayBuffer:
         beta: float = 0.4,
         eps: float = 1e-6,
         priority_backend: str = "auto",
+        frame_stack: int | None = None,
+        frame_stack_padding: str = "reset",
     ) -> None:
         self._attach(
             SyncEpisodeReplayBuffer(
@@ -72,6 +77,8 @@ class EpisodeReplayBuffer:
                 beta=beta,
                 eps=eps,
                 priority_backend=priority_backend,
+                frame_stack=frame_stack,
+                frame_stack_padding=frame_stack_padding,
             )
         )
 
@@ -93,6 +100,16 @@ class EpisodeReplayBuffer:
     def sync(self) -> SyncEpisodeReplayBuffer:
         """The synchronous core (for code that holds no event loop; not for concurrent use)."""
         return self._sync
+
+    @property
+    def frame_stack(self) -> int | None:
+        """Frames per returned observation stack (None: observations as stored)."""
+        return self._sync.frame_stack
+
+    @property
+    def frame_stack_padding(self) -> str:
+        """Frames before an episode's first: ``"reset"`` (the first again) or ``"zero"``."""
+        return self._sync.frame_stack_padding
 
     @property
     def memory(self):
@@ -277,6 +294,13 @@ class EpisodeReplayBuffer:
             await future
         finally:
             self._waiters = [(n, f) for n, f in self._waiters if f is not future]
+
+    def as_dataset(self, batch_size: int, **kwargs: Any) -> ReplayDataset:
+        """An endless ``IterableDataset`` of batches (:func:`replaybuf.dataset.as_dataset`);
+        iterate it on the event loop's thread, or while no task uses the buffer."""
+        from replaybuf.dataset import as_dataset  # imports this module: import on use
+
+        return as_dataset(self, batch_size, **kwargs)
 
     # ----------------------------------------------------------------- lifecycle
     async def clear(self) -> None:

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from tensordict import TensorDict
 
 from replaybuf import episode_checkpoint, metadata
 from replaybuf.args import int_at_least, positive_int
-from replaybuf.episodes import STATUSES, EpisodeCore
+from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.iterators import epoch_batches, epoch_order
 from replaybuf.prioritized import (
@@ -41,6 +41,9 @@ from replaybuf.sampling import (
 )
 from replaybuf.schema import FieldSpec
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+
+if TYPE_CHECKING:
+    from replaybuf.dataset import ReplayDataset
 
 KIND = "EpisodeReplayBuffer"
 
@@ -70,6 +73,19 @@ def check_n(n: Any) -> NArg:
     return positive_int(n, "n")
 
 
+def check_frame_stack(frame_stack: Any, padding: Any) -> tuple[int | None, str]:
+    """``frame_stack`` (None or an int >= 1) and its padding (``"reset"`` or ``"zero"``)."""
+    if padding not in FRAME_PADDINGS:
+        raise ValueError(f"frame_stack_padding must be one of {FRAME_PADDINGS}, got {padding!r}")
+    if frame_stack is None:
+        if padding != "reset":
+            raise ValueError(
+                f"frame_stack_padding={padding!r} needs frame_stack (an int >= 1), got None"
+            )
+        return None, padding
+    return positive_int(frame_stack, "frame_stack"), padding
+
+
 def check_gamma(gamma: Any) -> float:
     if isinstance(gamma, bool) or not isinstance(gamma, int | float | np.integer | np.floating):
         raise TypeError(f"gamma must be a float in (0, 1], got {gamma!r}")
@@ -91,6 +107,12 @@ class SyncEpisodeReplayBuffer:
         scratch_dir: existing folder for memmap files (a private subfolder is used).
         seed: seeds sampling.
         min_steps: sampling raises until at least this many valid steps are stored.
+        prioritized, alpha, beta, eps, priority_backend: prioritized replay (see the README).
+        frame_stack: k to store one frame per step and return every observation as the stack
+            of its last k frames in the episode, ``[..., k, *frame]`` (``None``: as stored).
+            Append single frames (not stacks); every observation leaf is stacked.
+        frame_stack_padding: frames before an episode's first: ``"reset"`` repeats the first
+            frame (gymnasium ``FrameStackObservation``'s default), ``"zero"`` gives zeros.
     """
 
     def __init__(
@@ -109,8 +131,13 @@ class SyncEpisodeReplayBuffer:
         beta: float = 0.4,
         eps: float = 1e-6,
         priority_backend: str = "auto",
+        frame_stack: int | None = None,
+        frame_stack_padding: str = "reset",
     ) -> None:
         self.max_steps = positive_int(max_steps, "max_steps")
+        self.frame_stack, self.frame_stack_padding = check_frame_stack(
+            frame_stack, frame_stack_padding
+        )
         self.max_episodes = (
             None if max_episodes is None else positive_int(max_episodes, "max_episodes")
         )
@@ -128,7 +155,9 @@ class SyncEpisodeReplayBuffer:
         slots = SlotStorage(
             rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
-        self._core = EpisodeCore(slots, self.max_steps, self.max_episodes)
+        self._core = EpisodeCore(
+            slots, self.max_steps, self.max_episodes, self.frame_stack, self.frame_stack_padding
+        )
         self._core.priorities = priorities
         self._generator = torch.Generator(device=self.storing_device)
         if seed is None:
@@ -391,8 +420,16 @@ class SyncEpisodeReplayBuffer:
             "device": str(self.device),
             "storing_device": str(self.storing_device),
             "bytes": core.slots.stored_bytes() + core.links.nbytes + 2 * core.anchors.rows.nbytes,
+            "frame_stack": self.frame_stack,
             **priority_stats(core.priorities),
         }
+
+    def as_dataset(self, batch_size: int, **kwargs: Any) -> ReplayDataset:
+        """This buffer as an endless ``IterableDataset`` of batches (see
+        :func:`replaybuf.dataset.as_dataset`: ``n``, ``gamma``, ``seq_len``, ``strict``)."""
+        from replaybuf.dataset import as_dataset  # imports this module: import on use
+
+        return as_dataset(self, batch_size, **kwargs)
 
     def clear(self) -> None:
         """Drop every episode; ids keep counting, so an old id is never reused."""
@@ -483,6 +520,8 @@ class SyncEpisodeReplayBuffer:
                 "valid_steps": core.valid_steps,
                 "next_episode_id": core.next_id,
                 "evicted_episodes": core.evicted,
+                "frame_stack": self.frame_stack,
+                "frame_stack_padding": self.frame_stack_padding,
             },
         )
 
@@ -501,6 +540,13 @@ class SyncEpisodeReplayBuffer:
         if max_steps != self.max_steps:
             raise MetadataError(
                 f"max_steps: metadata has {max_steps}, this buffer {self.max_steps}"
+            )
+        # Files written before frame stacking existed hold neither key: no stacking.
+        stacking = (document.get("frame_stack"), document.get("frame_stack_padding", "reset"))
+        if stacking != (self.frame_stack, self.frame_stack_padding):
+            raise MetadataError(
+                f"frame_stack, frame_stack_padding: metadata has {stacking}, this buffer "
+                f"{(self.frame_stack, self.frame_stack_padding)}"
             )
         if spec is not None and self.spec is not None and spec != self.spec:
             raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")

@@ -2,12 +2,14 @@
 
 A checkpoint holds::
 
-    meta     config (max_steps, max_episodes, min_steps, rows, storage, devices), counters
+    meta     config (max_steps, max_episodes, min_steps, rows, storage, devices, frame_stack,
+             frame_stack_padding), counters
              (next_id, next_seq, steps, valid_steps, evicted, high_water), spec, the
              observation spec of a buffer that has only zero-step episodes, and the episode
              table: [id, agent, seq, end_kind, steps, has_final_row] in start order
     tensors  rows/<field>             storage rows [0, high_water) (streamed from storage)
              links/{next_row,episode,step,end_kind,alloc}   per-row bookkeeping, [rows]
+                                      (prev_row, kept for frame stacking, is rebuilt on load)
              priority/weights         p^alpha per row (prioritized buffers only), [rows]
              index/anchors            the anchor rows in sampling order (so draws repeat)
              index/free               the free rows, in the order they will be handed out
@@ -41,7 +43,7 @@ from replaybuf.buffer_checkpoint import (
     row_tensor_names,
 )
 from replaybuf.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from replaybuf.episodes import Episode
+from replaybuf.episodes import FRAME_PADDINGS, Episode
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
 from replaybuf.index import END_NONE
 from replaybuf.prioritized import Prioritizer
@@ -99,6 +101,8 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
         "max_steps": buffer.max_steps,
         "max_episodes": buffer.max_episodes,
         "min_steps": buffer.min_steps,
+        "frame_stack": buffer.frame_stack,
+        "frame_stack_padding": buffer.frame_stack_padding,
         "rows": core.slots.capacity,
         "storage": core.slots.kind,
         "device": str(buffer.device),
@@ -178,6 +182,7 @@ def load(
             "storing_device": meta["storing_device"],
             "storage": meta["storage"],
             "min_steps": meta["min_steps"],
+            **_stacking(meta),
             **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
             **overrides,
         }
@@ -188,6 +193,14 @@ def load(
             buffer.close()  # nothing half-made stays behind
             raise
     return buffer
+
+
+def _stacking(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved frame stacking (checked by :func:`check`); none in checkpoints made before it."""
+    return {
+        "frame_stack": meta.get("frame_stack"),
+        "frame_stack_padding": meta.get("frame_stack_padding", "reset"),
+    }
 
 
 def _open(directory: str | os.PathLike[str]) -> Checkpoint:
@@ -210,6 +223,13 @@ def check(checkpoint: Checkpoint, where: str) -> Saved:
     high_water = meta_int(meta, "high_water", where, low=0, high=rows)
     if meta.get("max_episodes") is not None:
         meta_int(meta, "max_episodes", where, low=1)
+    if meta.get("frame_stack") is not None:
+        meta_int(meta, "frame_stack", where, low=1)
+    if _stacking(meta)["frame_stack_padding"] not in FRAME_PADDINGS:
+        raise CorruptCheckpointError(
+            f"{where}: meta 'frame_stack_padding' expected one of {FRAME_PADDINGS}, "
+            f"got {meta['frame_stack_padding']!r}"
+        )
     spec, first = meta_spec(meta, "spec", where), meta_spec(meta, "first_obs_spec", where)
     table = meta.get("episodes")
     if not isinstance(table, list) or not all(_is_entry(e) for e in table):
@@ -344,6 +364,7 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
         )
     for name in LINKS:
         getattr(core.links, name).copy_(s[f"links/{name}"].to(device))
+    core.links.relink_backward()
     core.anchors.add(s["index/anchors"].to(device))
     core.allocations = meta["allocations"]
     if core.priorities is not None and PRIORITY in s:
@@ -388,20 +409,23 @@ def open_or_create(
 ) -> SyncEpisodeReplayBuffer:
     """Load the checkpoint at ``directory`` if there is one, else ``cls(**kwargs)``.
 
-    Loading, ``max_steps`` and ``max_episodes`` (if given) must match the checkpoint's, ``seed``
-    is unused (the saved sampler goes on) and the other ``kwargs`` are overrides.
+    Loading, ``max_steps``, ``max_episodes``, ``frame_stack`` and ``frame_stack_padding`` (if
+    given) must match the checkpoint's, ``seed`` is unused (the saved sampler goes on) and the
+    other ``kwargs`` are overrides.
     """
     try:
         checkpoint = _open(directory)
     except NoCheckpointError:
         return cls(**kwargs)
     with checkpoint:
-        saved = {name: checkpoint.meta.get(name) for name in ("max_steps", "max_episodes")}
+        meta = checkpoint.meta
+        saved = {name: meta.get(name) for name in ("max_steps", "max_episodes")}
+        saved.update(_stacking(meta))
     for name, value in saved.items():
         if name in kwargs and kwargs[name] != value:
             raise ValueError(
                 f"open({str(checkpoint.directory)!r}): {name}={kwargs[name]!r}, but the "
                 f"checkpoint there holds a buffer with {name}={value!r}"
             )
-    overrides = {k: v for k, v in kwargs.items() if k not in ("max_steps", "max_episodes", "seed")}
+    overrides = {k: v for k, v in kwargs.items() if k not in (*saved, "seed")}
     return load(cls, directory, overrides)

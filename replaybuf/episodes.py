@@ -12,6 +12,10 @@ Each observation is stored once, as one row; step t's ``next_observation`` is th
 after it (see :mod:`replaybuf.index`). Steps are staged in memory and written to TorchRL storage
 in chunks (TorchRL's per-call write costs tens of microseconds); every read flushes first, so
 reads always see every completed append.
+
+With ``frame_stack=k`` each row still holds one observation (one frame); rows also keep a
+reverse link ``prev_row`` so sampling rebuilds each k-frame stack from the episode's own
+previous rows (see :func:`replaybuf.index.stack_rows`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ RETURNED_KEYS = frozenset(
 _NUMBERS = (bool, int, float, np.number, np.bool_)
 _EPISODE_ID_TYPES = (int, np.integer)
 _FLUSH_ROWS = 512  # staged rows written in one storage call
+FRAME_PADDINGS = ("reset", "zero")  # gymnasium FrameStackObservation's padding_type values
 
 
 @dataclass
@@ -101,7 +106,7 @@ class RowsPinned(ReplayBufError, RuntimeError):
 class RowLinks:
     """Per-row bookkeeping on the storing device: links, owners, steps and end kinds."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, backward: bool = False) -> None:
         self.next_row = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.episode = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.step = torch.zeros(capacity, dtype=torch.long, device=device)
@@ -109,22 +114,43 @@ class RowLinks:
         # Which allocation of the row holds it now: an id handed out with a sample stays
         # recognisable after the row is freed and reused (see EpisodeCore.row_ids).
         self.alloc = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        # The reverse of next_row (-1 at an episode's first row), kept only for frame stacking.
+        self.prev_row: torch.Tensor | None = (
+            torch.full((capacity,), -1, dtype=torch.long, device=device) if backward else None
+        )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+
+    def relink_backward(self) -> None:
+        """Recompute ``prev_row`` from ``next_row`` (after a checkpoint restored the links)."""
+        if self.prev_row is None:
+            return
+        self.prev_row.fill_(-1)
+        linked = torch.nonzero(self.next_row >= 0).squeeze(1)  # [links]
+        self.prev_row[self.next_row[linked]] = linked
 
 
 class EpisodeCore:
     """Episodes in TorchRL storage: the state every public episode method works on."""
 
-    def __init__(self, slots: SlotStorage, max_steps: int, max_episodes: int | None) -> None:
+    def __init__(
+        self,
+        slots: SlotStorage,
+        max_steps: int,
+        max_episodes: int | None,
+        frame_stack: int | None = None,
+        frame_padding: str = "reset",
+    ) -> None:
         self.slots = slots
         self.max_steps = max_steps
         self.max_episodes = max_episodes
+        self.frame_stack = frame_stack  # None: observations are returned as stored
+        self.frame_padding = frame_padding  # before an episode's first frame: "reset" or "zero"
         capacity = slots.capacity
         device = slots.storing_device
-        self.links = RowLinks(capacity, device)
+        self.links = RowLinks(capacity, device, backward=frame_stack is not None)
         self.anchors = AnchorSet(capacity, device)
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() yields row 0 first
         # While a checkpoint copies rows outside the lock (pinned), rows freed by eviction wait
@@ -195,9 +221,9 @@ class EpisodeCore:
         dims = 1 if batched else 0
         row = to_leaves(data, batched=batched, what=what, spec=self.slots.spec)
         if self.slots.spec is not None:
-            self.slots.spec.check(row, dims, what)
+            self._check(self.slots.spec, row, dims, what)
         elif self._first_obs_spec is not None:
-            self._first_obs_spec.check(_observation(row), dims, what)
+            self._check(self._first_obs_spec, _observation(row), dims, what)
         if not batched:
             row = {key: value.unsqueeze(0) for key, value in row.items()}
         return row
@@ -210,9 +236,11 @@ class EpisodeCore:
         spec = self.slots.spec
         if spec is None:
             if self._first_obs_spec is not None:
-                self._first_obs_spec.check(obs, 0, what)
+                self._check(self._first_obs_spec, obs, 0, what)
             return obs
-        FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"}).check(obs, 0, what)
+        self._check(
+            FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"}), obs, 0, what
+        )
         if self._filler is None:
             self._filler = {
                 k: torch.zeros(f.shape, dtype=f.dtype)
@@ -220,6 +248,27 @@ class EpisodeCore:
                 if k[0] != "observation"
             }
         return {**self._filler, **obs}
+
+    def _check(
+        self, spec: FieldSpec, leaves: dict[Key, torch.Tensor], dims: int, what: str
+    ) -> None:
+        """``spec.check``; a stacked observation given to a frame-stacking buffer says so."""
+        try:
+            spec.check(leaves, dims, what)
+        except SchemaError as exc:
+            k = self.frame_stack
+            stacked = k is not None and any(
+                key in spec
+                and key[0] == "observation"
+                and tuple(value.shape[dims:]) == (k, *spec[key].shape)
+                for key, value in leaves.items()
+            )
+            if not stacked:
+                raise
+            raise SchemaError(
+                f"{exc} (frame_stack={k}: append one frame per step, e.g. observation[-1] of a "
+                "stacked observation; the buffer rebuilds the stack when it samples)"
+            ) from None
 
     # ----------------------------------------------------------------- eviction
     def make_room(self, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
@@ -298,6 +347,8 @@ class EpisodeCore:
             self.links.next_row[rows_t] = -1
             self.links.episode[rows_t] = -1
             self.links.end_kind[rows_t] = END_NONE
+            if self.links.prev_row is not None:
+                self.links.prev_row[rows_t] = -1
             if self.priorities is not None:
                 self.priorities.remove(rows_t)  # evicted steps leave the distribution at once
             (self.quarantine if self.pinned else self.free).extend(reversed(rows))
@@ -456,9 +507,14 @@ class EpisodeCore:
         self.links.step[meta[:, 0]] = meta[:, 2]
         self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
         self.links.alloc[meta[:, 0]] = meta[:, 4]
+        prev_row = self.links.prev_row
+        if prev_row is not None:
+            prev_row[meta[:, 0]] = -1
         if self._staged_links:
             links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
             self.links.next_row[links[:, 0]] = links[:, 1]
+            if prev_row is not None:
+                prev_row[links[:, 1]] = links[:, 0]
             self.anchors.add(links[:, 0])
             if self.priorities is not None:
                 self.priorities.admit(links[:, 0])  # new steps enter at the current maximum

@@ -13,6 +13,11 @@ A row is an *anchor* (a valid step) when it has an action and its next observati
 An n-step window from anchor t takes m = min(n, steps available) steps: it stops at the final
 observation (``terminal`` / ``truncated``), or early at an in-progress episode's newest
 observation (``cut``). A window never crosses an episode boundary because links never do.
+
+With frame stacking, ``prev_row`` is the reverse link (-1 at an episode's first row) and the
+stack of a row is the k rows ending at it, oldest first, clamped at the first row::
+
+    k = 4, step 1:   [obs_0, obs_0, obs_0, obs_1]   (real: F F T T)
 """
 
 from __future__ import annotations
@@ -110,3 +115,44 @@ def full_sequence_starts(
     """The anchors from which ``length`` consecutive steps all exist (bool ``[len(anchors)]``)."""
     _, mask = sequence_rows(anchors, length, next_row)
     return mask.all(1)
+
+
+def stack_rows(
+    rows: torch.Tensor, k: int, prev_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the ``k``-frame stack ending at each of ``rows``, and which are real frames.
+
+    Returns ``stacked [*rows.shape, k]`` (position k-1 is the row itself, position k-1-j the row
+    j steps earlier in its episode, or the episode's first row where there is none) and
+    ``real [*rows.shape, k]`` (False at those padding positions). k-1 chained gathers:
+    O(rows · k), whatever the number of stored rows.
+    """
+    flat = rows.reshape(-1)
+    cur = flat
+    held, real = [flat], [torch.ones_like(flat, dtype=torch.bool)]
+    for _ in range(k - 1):
+        prev = prev_row.index_select(0, cur)
+        has = prev >= 0  # False at the first row, and so at every position before it
+        cur = torch.where(has, prev, cur)
+        held.append(cur)
+        real.append(has)
+    shape = (*rows.shape, k)
+    stacked = torch.stack(held[::-1], 1).reshape(shape)  # [*rows, k], oldest first
+    return stacked, torch.stack(real[::-1], 1).reshape(shape)
+
+
+def stack_windows(
+    start: torch.Tensor, obs_rows: torch.Tensor, k: int, prev_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows from which the k-frame stacks of consecutive observations are cut, without overlap.
+
+    ``obs_rows [B, P]`` are consecutive rows of one episode each, starting at ``start [B]``.
+    Returns ``window [B, k - 1 + P]`` (the k-1 frames before ``start``, padded as in
+    :func:`stack_rows`, then ``obs_rows``) and ``real`` of the same shape: the stack of
+    ``obs_rows[:, p]`` is ``window[:, p : p + k]``. Gathering the window reads k-1+P frames per
+    row instead of k·P.
+    """
+    before, real = stack_rows(start, k, prev_row)  # [B, k]
+    ones = torch.ones_like(obs_rows, dtype=torch.bool)
+    window = torch.cat([before[:, : k - 1], obs_rows], 1)  # [B, k - 1 + P]
+    return window, torch.cat([real[:, : k - 1], ones], 1)

@@ -4,9 +4,15 @@ The index math lives in :mod:`replaybuf.index`; this module turns its rows into 
 observations at the window's two ends in one gather, actions and extras at the start, rewards
 summed over the window. Everything is computed on the storing device and delivered on
 ``device``.
+
+With ``frame_stack=k`` every observation leaf comes back as ``[..., k, *frame]``: the row's own
+frame last, the k-1 before it in its episode first, padded at the episode start as the core's
+``frame_padding`` says (repeating the first frame, or zeros).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -18,6 +24,8 @@ from replaybuf.index import (
     END_TRUNCATED,
     nstep_windows,
     sequence_rows,
+    stack_rows,
+    stack_windows,
 )
 from replaybuf.index import full_sequence_starts as qualifies
 from replaybuf.nstep import bootstrap_discount, window_return
@@ -30,6 +38,49 @@ NArg = int | tuple[int, int]
 def _keys(core: EpisodeCore, *groups: str) -> list[Key]:
     spec = core.slots.spec  # None only before the first step, when nothing is sampled
     return [] if spec is None else [k for k in spec if k[0] in groups]
+
+
+def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Frames at padding positions (``real`` False, its shape leading ``value``'s) zeroed when
+    the padding is ``"zero"``; with ``"reset"`` they already repeat the episode's first frame."""
+    if core.frame_padding != "zero":
+        return value
+    keep = real.reshape(*real.shape, *([1] * (value.dim() - real.dim())))
+    return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+
+def _observations(core: EpisodeCore, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each observation field at ``rows [N]``, on the storing device: ``[N, *field]``, or
+    ``[N, k, *field]`` with frame stacking."""
+    keys = _keys(core, "observation")
+    k = core.frame_stack
+    if k is None:
+        return core.slots.take(rows, keys)
+    stacked, real = stack_rows(rows, k, core.links.prev_row)  # [N, k]
+    values = core.slots.take(stacked.reshape(-1), keys)  # [N * k, *field]
+    real = real.reshape(-1)
+    return [_zero_padding(core, v, real).reshape(*stacked.shape, *v.shape[1:]) for v in values]
+
+
+def _stacked_observations(
+    core: EpisodeCore, start: torch.Tensor, obs_rows: torch.Tensor, device: torch.device
+) -> TensorDictBase:
+    """The observations at ``obs_rows [B, P]`` (consecutive rows of one episode each, from
+    ``start [B]``) as a TensorDict ``[B, P]`` on ``device``; leaves ``[B, P, k, *field]`` with
+    frame stacking, cut from one gathered window of k-1+P frames per row."""
+    keys = _keys(core, "observation")
+    batch, length = obs_rows.shape
+    k = core.frame_stack
+    if k is None:
+        return core.slots.gather(obs_rows.reshape(-1), device, keys).reshape(batch, length)
+    window, real = stack_windows(start, obs_rows, k, core.links.prev_row)  # [B, k - 1 + P]
+    frames = core.slots.gather(window.reshape(-1), device, keys).reshape(window.shape)
+    real = real.to(device)
+
+    def cut(value: torch.Tensor) -> torch.Tensor:  # [B, k - 1 + P, *f] -> [B, P, k, *f]
+        return _zero_padding(core, value, real).unfold(1, k, 1).movedim(-1, 2)
+
+    return frames.apply(cut, batch_size=[batch, length])
 
 
 def _put_extras(out: TensorDict, rows: TensorDictBase) -> None:
@@ -68,7 +119,7 @@ def nstep_batch(
     values: list[torch.Tensor] = []
     obs_keys = _keys(core, "observation")
     for key, both in zip(
-        obs_keys, slots.take(torch.cat([start, w.last_row]), obs_keys), strict=True
+        obs_keys, _observations(core, torch.cat([start, w.last_row])), strict=True
     ):
         keys += [key, ("next_observation", *key[1:])]
         values += [both[:batch], both[batch:]]
@@ -105,8 +156,7 @@ def sequence_batch(
     batch = start.shape[0]
     obs_rows, mask = sequence_rows(start, length, links.next_row)
     step_rows = obs_rows[:, :length]
-    obs = core.slots.gather(obs_rows.reshape(-1), device, _keys(core, "observation"))
-    obs = obs.reshape(batch, length + 1)
+    obs = _stacked_observations(core, start, obs_rows, device)  # [B, length + 1]
     rest = core.slots.gather(
         step_rows.reshape(-1), device, _keys(core, "action", "reward", "extras")
     )
@@ -145,8 +195,8 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
     """A whole stored episode, time-major, in a TensorDict with empty batch size.
 
     ``observation`` holds obs_0 .. obs_T (T+1 rows, the final observation last) for an ended
-    episode and obs_0 .. obs_{T-1} for one in progress; ``action``, ``reward`` and extras hold
-    T rows.
+    episode and obs_0 .. obs_{T-1} for one in progress (each a ``[k, ...]`` stack with frame
+    stacking); ``action``, ``reward`` and extras hold T rows.
     """
     steps = episode.rows
     obs_rows = steps + ([episode.final_row] if episode.final_row is not None else [])
@@ -154,21 +204,24 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
     out = TensorDict({}, batch_size=[], device=device)
     if spec is not None and obs_rows:
         rows = torch.tensor(obs_rows, dtype=torch.long, device=core.slots.storing_device)
-        out.set(
-            "observation",
-            core.slots.gather(rows, device, _keys(core, "observation")).get("observation"),
-        )
+        stacked = _stacked_observations(core, rows[:1], rows.unsqueeze(0), device)  # [1, T + 1]
+        out.set("observation", stacked.get("observation")[0])
         step_td = core.slots.gather(
             rows[: len(steps)], device, _keys(core, "action", "reward", "extras")
         )
     elif spec is not None:  # no step yet: empty fields of the stored shapes
         empty = spec.zeros(0, device)
-        out.set("observation", empty.get("observation"))
+        observation = empty.get("observation")
+        if core.frame_stack is not None:  # [0, *field] -> [0, k, *field]
+            k = core.frame_stack
+            observation = _apply(observation, lambda v: v.new_zeros((0, k, *v.shape[1:])), 0)
+        out.set("observation", observation)
         step_td = empty.exclude("observation")
     else:
         step_td = TensorDict({}, batch_size=[0], device=device)
-    if episode.final_observation is not None:
-        out.set("observation", episode.final_observation.get("observation").unsqueeze(0).to(device))
+    if episode.final_observation is not None:  # a zero-step episode's only observation
+        final = episode.final_observation.get("observation").to(device)
+        out.set("observation", _apply(final, lambda v: _lone_stack(core, v).unsqueeze(0), 1))
     for name in ("action", "reward"):
         if name in step_td:
             out.set(name, step_td.get(name))
@@ -178,6 +231,28 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
     out.set("truncated", torch.tensor(episode.end_kind == END_TRUNCATED, device=device))
     out.set("length", torch.tensor(episode.steps, device=device))
     return out
+
+
+def _apply(
+    value: torch.Tensor | TensorDictBase,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    rows: int,
+) -> torch.Tensor | TensorDictBase:
+    """``fn`` on a tensor, or on each leaf of a (nested) observation TensorDict, giving ``rows``
+    time steps."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return value.apply(fn, batch_size=[rows])
+
+
+def _lone_stack(core: EpisodeCore, frame: torch.Tensor) -> torch.Tensor:
+    """The stack of an episode's first frame (``[k, *frame]``), or the frame without stacking."""
+    k = core.frame_stack
+    if k is None:
+        return frame
+    if core.frame_padding == "zero":
+        return torch.cat([frame.new_zeros((k - 1, *frame.shape)), frame.unsqueeze(0)])
+    return frame.unsqueeze(0).expand(k, *frame.shape).clone()  # [k, *frame]
 
 
 def draw_anchors(

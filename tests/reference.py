@@ -12,6 +12,10 @@ It knows the documented contract only (``issues show 3``), never the buffer's in
   ``row_capacity`` stored observations (steps plus one final-observation row per ended
   episode with steps; documented in ``SyncEpisodeReplayBuffer``'s ``final_rows_for``).
 
+* with ``frame_stack=k`` every returned observation of step t is the list of the episode's
+  frames ``t-k+1 .. t`` (stacked), where a frame before obs_0 is obs_0 again (padding
+  ``"reset"``) or zeros (``"zero"``), gymnasium ``FrameStackObservation``'s two paddings.
+
 Values are kept as the test gave them (usually torch tensors); every return and discount is
 computed in float64 with plain loops.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 TERMINATED = "terminated"
 TRUNCATED = "truncated"
@@ -56,21 +62,60 @@ class RefEpisode:
     def rows(self) -> int:
         return self.steps + (1 if self.ended and self.steps else 0)
 
-    def observation(self, t: int) -> Any:
-        """obs_t, the final observation when t == T of an ended episode."""
+    def frame(self, t: int) -> Any:
+        """obs_t as appended, the final observation when t == T of an ended episode."""
         if t < self.steps:
             return self.observations[t]
         assert self.ended, (self.episode_id, t)
         assert t == self.steps, (self.episode_id, t)
         return self.final_observation
 
+    def observation(self, t: int, frame_stack: int | None = None, padding: str = "reset") -> Any:
+        """obs_t as sampling returns it: the frame, or the stack of frames t-k+1 .. t."""
+        if frame_stack is None:
+            return self.frame(t)
+        frames = []
+        for j in range(frame_stack - 1, -1, -1):  # oldest first, obs_t last
+            if t - j >= 0:
+                frames.append(self.frame(t - j))
+            elif padding == "reset":
+                frames.append(self.frame(0))
+            else:
+                frames.append(_zeros_like(self.frame(0)))
+        return _stack(frames)
+
+    @property
+    def stored_frames(self) -> int:
+        """obs_0 .. obs_{T-1}, plus obs_T once ended."""
+        return self.steps + (1 if self.ended else 0)
+
+
+def _zeros_like(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {name: _zeros_like(v) for name, v in value.items()}
+    return torch.zeros_like(torch.as_tensor(value))
+
+
+def _stack(values: list[Any]) -> Any:
+    """Stack a list of tensors (or of dicts of them, leaf by leaf) along a new first dim."""
+    if isinstance(values[0], dict):
+        return {name: _stack([v[name] for v in values]) for name in values[0]}
+    return torch.stack([torch.as_tensor(v) for v in values])
+
 
 class ReferenceBuffer:
     """The documented episode buffer, as plain lists."""
 
     def __init__(
-        self, max_steps: int, max_episodes: int | None = None, row_capacity: int | None = None
+        self,
+        max_steps: int,
+        max_episodes: int | None = None,
+        row_capacity: int | None = None,
+        frame_stack: int | None = None,
+        padding: str = "reset",
     ) -> None:
+        self.frame_stack = frame_stack
+        self.padding = padding
         self.max_steps = max_steps
         self.max_episodes = max_episodes
         self.row_capacity = row_capacity
@@ -171,6 +216,15 @@ class ReferenceBuffer:
         e.final_observation = final_observation
 
     # ----------------------------------------------------------------- expectations
+    def observation(self, episode_id: int, t: int) -> Any:
+        """obs_t of an episode as sampling returns it (stacked with frame stacking)."""
+        return self.episodes[episode_id].observation(t, self.frame_stack, self.padding)
+
+    def episode_observations(self, episode_id: int) -> list[Any]:
+        """Every stored observation of an episode, as ``get_episode`` returns them."""
+        e = self.episodes[episode_id]
+        return [self.observation(episode_id, t) for t in range(e.stored_frames)]
+
     def nstep(self, episode_id: int, t: int, n: int, gamma: float) -> dict[str, Any]:
         """The n-step transition from step t, computed with plain loops in float64."""
         e = self.episodes[episode_id]
@@ -185,11 +239,11 @@ class ReferenceBuffer:
         terminal = reaches_end and e.status == TERMINATED
         truncated = reaches_end and e.status == TRUNCATED
         return {
-            "observation": e.observations[t],
+            "observation": self.observation(episode_id, t),
             "action": e.actions[t],
             "extras": e.extras[t],
             "reward": total,
-            "next_observation": e.observation(t + m),
+            "next_observation": self.observation(episode_id, t + m),
             "terminal": terminal,
             "truncated": truncated,
             "cut": m < n and not e.ended,
@@ -210,11 +264,11 @@ class ReferenceBuffer:
                 continue
             out.append(
                 {
-                    "observation": e.observations[s],
+                    "observation": self.observation(episode_id, s),
                     "action": e.actions[s],
                     "reward": e.rewards[s],
                     "extras": e.extras[s],
-                    "next_observation": e.observation(s + 1),
+                    "next_observation": self.observation(episode_id, s + 1),
                     "terminal": e.status == TERMINATED and s + 1 == e.steps,
                     "truncated": e.status == TRUNCATED and s + 1 == e.steps,
                     "step": s,
