@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from replaybuf.storage import nest
 
 if TYPE_CHECKING:
     from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+    from replaybuf.episodes import EpisodeCore
 
 KIND = "EpisodeReplayBuffer"
 LINKS = ("next_row", "episode", "step", "end_kind", "alloc")
@@ -82,7 +84,7 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
     tensors: dict[str, torch.Tensor] = {
         GENERATOR: buffer._generator.get_state(),
         "index/anchors": core.anchors.snapshot(),
-        "index/free": torch.tensor(core.free + core.quarantine, dtype=torch.long),
+        "index/free": free_rows(core),
         "index/episode_rows": torch.tensor(flat, dtype=torch.long),
     }
     for name in LINKS:
@@ -369,7 +371,7 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
     core.allocations = meta["allocations"]
     if core.priorities is not None and PRIORITY in s:
         core.priorities.tree.load(s[PRIORITY])
-    core.free = s["index/free"].tolist()
+    core.free = array("q", s["index/free"].numpy().tobytes())
     _restore_table(buffer, saved, checkpoint)
     for name in ("next_id", "next_seq", "steps", "valid_steps"):
         setattr(core, name, meta[name])
@@ -429,3 +431,10 @@ def open_or_create(
             )
     overrides = {k: v for k, v in kwargs.items() if k not in (*saved, "seed")}
     return load(cls, directory, overrides)
+
+
+def free_rows(core: EpisodeCore) -> torch.Tensor:
+    """The free rows (quarantined ones last) as a new int64 tensor, in hand-out order."""
+    free = torch.frombuffer(core.free, dtype=torch.long).clone() if len(core.free) else None
+    quarantined = torch.tensor(core.quarantine, dtype=torch.long)
+    return quarantined if free is None else torch.cat([free, quarantined])

@@ -21,8 +21,11 @@ previous rows (see :func:`replaybuf.index.stack_rows`).
 from __future__ import annotations
 
 import heapq
+import tempfile
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,13 +33,13 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.anchors import AnchorSet
-from replaybuf.errors import EpisodeStateError, ReplayBufError, SchemaError
+from replaybuf.errors import EpisodeStateError, InsufficientSpaceError, ReplayBufError, SchemaError
 from replaybuf.fastrow import RowPlan
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
-from replaybuf.storage import SlotStorage, build_tensordict, nest
+from replaybuf.storage import SlotStorage, build_tensordict, free_bytes, nest
 
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
 # Keys sampling and get_episode return; an extras field must not shadow one of them.
@@ -132,6 +135,21 @@ class RowLinks:
         self.prev_row[self.next_row[linked]] = linked
 
 
+# Bookkeeping bytes per row: next_row, episode, step, alloc (int64), end_kind (int8), the
+# anchor set's two int64 columns and the free list's int64 entry; prev_row adds 8.
+_BOOKKEEPING_ROW_BYTES = 8 * 4 + 1 + 16 + 8
+
+
+def check_bookkeeping_space(capacity: int, device: torch.device, backward: bool) -> None:
+    """Raise :class:`InsufficientSpaceError` before allocating row bookkeeping that cannot fit
+    (the tensors live on the storing device; the allocator's own error names no argument)."""
+    needed = capacity * (_BOOKKEEPING_ROW_BYTES + 8 * backward)
+    free = free_bytes("tensor", device, Path(tempfile.gettempdir()))
+    if needed > free:
+        where = f"{device} memory" if device.type == "cuda" else "host memory (RAM)"
+        raise InsufficientSpaceError(f"{where}, for the rows' bookkeeping", needed, free)
+
+
 class EpisodeCore:
     """Episodes in TorchRL storage: the state every public episode method works on."""
 
@@ -150,9 +168,12 @@ class EpisodeCore:
         self.frame_padding = frame_padding  # before an episode's first frame: "reset" or "zero"
         capacity = slots.capacity
         device = slots.storing_device
+        check_bookkeeping_space(capacity, device, frame_stack is not None)
         self.links = RowLinks(capacity, device, backward=frame_stack is not None)
         self.anchors = AnchorSet(capacity, device)
-        self.free: list[int] = list(range(capacity - 1, -1, -1))  # pop() yields row 0 first
+        # The free rows, popped from the end (row 0 first); an int64 array, not a list of Python
+        # ints (36 bytes a row: 360 MB at 10M rows).
+        self.free = array("q", range(capacity - 1, -1, -1))
         # While a checkpoint copies rows outside the lock (pinned), rows freed by eviction wait
         # here instead of being reused, so no row the snapshot references is overwritten.
         self.pinned = False

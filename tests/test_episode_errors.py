@@ -7,7 +7,13 @@ import pytest
 import torch
 from episode_helpers import action, batch_of, extras, final_obs, obs, reward, step
 
-from replaybuf import EmptyBufferError, EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
+from replaybuf import (
+    EmptyBufferError,
+    EpisodeStateError,
+    InsufficientSpaceError,
+    SchemaError,
+    SyncEpisodeReplayBuffer,
+)
 
 # The fixture's episodes (see ``populated``).
 EVICTED, ENDED, RUNNING, FRESH, UNKNOWN = 0, 1, 2, 3, 99
@@ -291,3 +297,9 @@ def test_a_zero_step_final_observation_fixes_the_observation_fields(tmp_path):
         assert buf.spec is None
         buf.append_observation_action_reward(running, {"a": torch.ones(5)}, 0, 0.0)
         assert buf.get_episode(empty)["observation", "a"].shape == (1, 5)
+
+
+def test_bookkeeping_that_cannot_fit_raises_insufficient_space_before_allocating():
+    # 10**11 rows of links and anchors: the allocator's own RuntimeError would name nothing.
+    with pytest.raises(InsufficientSpaceError, match=r"host memory \(RAM\), for the rows' book"):
+        SyncEpisodeReplayBuffer(10**11, storage="tensor")
