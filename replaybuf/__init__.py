@@ -2,6 +2,8 @@
 
 from replaybuf.aio import EpisodeReplayBuffer
 from replaybuf.buffer import ReplayBuffer
+from replaybuf.collect import collect
+from replaybuf.dataset import ReplayDataset, as_dataset
 from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 from replaybuf.errors import (
     BufferClosedError,
@@ -39,11 +41,14 @@ __all__ = [
     "NoCheckpointError",
     "ReplayBufError",
     "ReplayBuffer",
+    "ReplayDataset",
     "SchemaError",
     "SyncEpisodeReplayBuffer",
     "UnsafeCheckpointError",
     "UnsupportedVersionError",
     "__version__",
+    "as_dataset",
+    "collect",
     "compute_discounted_return",
     "compute_importance_weights",
     "sequence_priority",

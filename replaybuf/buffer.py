@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -33,6 +33,9 @@ from replaybuf.prioritized import (
 )
 from replaybuf.schema import FieldSpec, Key, to_tensordict
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+
+if TYPE_CHECKING:
+    from replaybuf.dataset import ReplayDataset
 
 logger = logging.getLogger("replaybuf")
 _NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
@@ -283,6 +286,13 @@ class ReplayBuffer:
             ("index",): ring_ids(slots, self._writes, self.buffer_size).to(self.device),
             ("weight",): weight.to(self.device),
         }
+
+    def as_dataset(self, batch_size: int, **kwargs: Any) -> ReplayDataset:
+        """An endless ``torch.utils.data.IterableDataset`` of ``sample_batch(batch_size)``
+        batches; ``.loader()`` gives the ``DataLoader`` (see :mod:`replaybuf.dataset`)."""
+        from replaybuf.dataset import as_dataset
+
+        return as_dataset(self, batch_size, **kwargs)
 
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled items; returns how many were applied.

@@ -1,27 +1,45 @@
-"""``python -m replaybuf`` (or ``replaybuf``): look into checkpoints without loading a buffer.
+"""``python -m replaybuf`` (or ``replaybuf``): checkpoints, starter buffers and benchmarks.
 
     replaybuf inspect DIR [--json]   what the checkpoint holds: kind, format version, tensors
                                      with shapes and dtypes, size and counters, episodes, bytes
     replaybuf verify DIR             every size and checksum, and the buffer's own meta checks;
                                      exit 0 and "OK", or exit 1 and "FAILED" with every problem
+    replaybuf populate --env ID --steps N --out DIR [--policy random] [--num-envs K]
+                       [--seed S] [--max-steps M] [--max-episodes E]
+                       [--max-episode-steps T] [--force]
+                                     collect N steps from a gymnasium env into an episode
+                                     buffer (progress bar on a terminal) and save it as a
+                                     checkpoint at DIR, atomically (needs gymnasium)
+    replaybuf bench                  run benchmarks/suite.py --quick of a source checkout and
+                                     print its table; exit with the suite's status
 
-Exit status: 0 success, 1 a damaged or missing checkpoint (the message says which file), 2 a
-usage error. User errors print one message, never a traceback.
+Exit status: 0 success, 1 a damaged or missing checkpoint (the message says which file) or a
+failed run, 2 a usage error (a bad flag value names the flag), 130 interrupted. User errors
+print one message, never a traceback; a failed ``populate`` writes nothing at DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import replaybuf
 from replaybuf import buffer_checkpoint, episode_checkpoint
 from replaybuf.checkpoint import describe_checkpoint, read_checkpoint, verify_checkpoint
-from replaybuf.errors import ReplayBufError
+from replaybuf.errors import CheckpointError, ReplayBufError
 
 PROG = "replaybuf"
+
+
+class UsageError(Exception):
+    """A flag whose value cannot work (the message names the flag); exit status 2."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,13 +47,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except UsageError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except (ReplayBufError, OSError, ValueError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Inspect and verify checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect and verify checkpoints, populate starter buffers, bench."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect = commands.add_parser("inspect", help="print what a checkpoint holds")
     inspect.add_argument("directory", metavar="DIR", help="a checkpoint directory")
@@ -44,7 +70,54 @@ def _parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check every size and checksum")
     verify.add_argument("directory", metavar="DIR", help="a checkpoint directory")
     verify.set_defaults(run=_verify)
+    _populate_parser(commands)
+    bench = commands.add_parser("bench", help="run the benchmark suite's quick mode")
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _populate_parser(commands: Any) -> None:
+    populate = commands.add_parser(
+        "populate", help="fill an episode buffer from a gymnasium env and save it at DIR"
+    )
+    populate.add_argument("--env", required=True, metavar="ID", help="gymnasium env id")
+    populate.add_argument("--policy", choices=["random"], default="random", help="the actor")
+    populate.add_argument(
+        "--steps", type=_count(1), required=True, metavar="N", help="transitions to store"
+    )
+    populate.add_argument("--out", required=True, metavar="DIR", help="checkpoint to write")
+    populate.add_argument(
+        "--num-envs", type=_count(1), default=1, metavar="K", help="sub-environments (1)"
+    )
+    populate.add_argument("--seed", type=_count(0), default=None, metavar="S", help="reset seed")
+    populate.add_argument(
+        "--max-steps", type=_count(1), default=None, metavar="M", help="buffer capacity (N)"
+    )
+    populate.add_argument(
+        "--max-episodes", type=_count(1), default=None, metavar="E", help="buffer episodes"
+    )
+    populate.add_argument(
+        "--max-episode-steps", type=_count(1), default=None, metavar="T", help="time limit"
+    )
+    populate.add_argument(
+        "--force", action="store_true", help="replace a replaybuf checkpoint already at DIR"
+    )
+    populate.set_defaults(run=_populate)
+
+
+def _count(low: int) -> Any:
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -84,6 +157,117 @@ def _buffer_problems(directory: str) -> list[str]:
         except ReplayBufError as exc:
             return [str(exc)]
     return []
+
+
+def _populate(args: argparse.Namespace) -> int:
+    """Collect ``--steps`` transitions into a new episode buffer and save it at ``--out``."""
+    from replaybuf.collect import collect
+    from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+
+    out = _writable_out(args.out, args.force)
+    envs = _make_envs(args)
+    capacity = args.max_steps or args.steps
+    try:
+        if args.seed is not None:
+            envs.action_space.seed(args.seed)
+        with SyncEpisodeReplayBuffer(capacity, args.max_episodes, seed=args.seed) as buf:
+            stats = collect(envs, _random_policy(envs), buf, args.steps, seed=args.seed)
+            held = buf.stats()
+            buf.save_checkpoint(out)
+    finally:
+        envs.close()
+    returns = stats["returns"]
+    mean = f"{sum(returns) / len(returns):.4g}" if returns else "n/a"
+    print(
+        f"collected {stats['steps']:,} steps: {stats['episodes']:,} finished episodes (mean "
+        f"return {mean}), {stats['cut']:,} cut at the end"
+    )
+    print(f"saved {held['valid_steps']:,} steps in {held['episodes']:,} episodes to {out}")
+    if held["evicted_episodes"]:
+        print(
+            f"note: {held['evicted_episodes']:,} episodes were evicted to fit --max-steps "
+            "(or the final-observation rows: give --max-episodes for short episodes)"
+        )
+    print(f"inspect it: {PROG} inspect {out}")
+    return 0
+
+
+def _random_policy(envs: Any) -> Any:
+    """``--policy random``: a uniform draw from the vector env's batched action space."""
+
+    def policy(observations: Any) -> Any:
+        return envs.action_space.sample()
+
+    return policy
+
+
+def _writable_out(text: str, force: bool) -> Path:
+    """``--out`` as an absolute path, refused (nothing written) unless a save there can work."""
+    out = Path(os.path.abspath(text))
+    if out.exists() or out.is_symlink():
+        if out.is_symlink() or not out.is_dir():
+            raise UsageError(f"--out: {out} exists and is not a folder")
+        if any(out.iterdir()):
+            if not _is_checkpoint(out):
+                raise UsageError(
+                    f"--out: {out} is a non-empty folder that is not a replaybuf checkpoint"
+                )
+            if not force:
+                raise UsageError(f"--out: {out} holds a checkpoint; pass --force to replace it")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"--out: {ancestor} is not a folder, so {out} cannot be created")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass  # a file can be created (and is gone): the save can write here
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write in {ancestor}: {exc.strerror or exc}") from None
+    return out
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    try:
+        with read_checkpoint(directory, verify=False):
+            return True
+    except CheckpointError:
+        return False
+
+
+def _make_envs(args: argparse.Namespace) -> Any:
+    """The gymnasium vector env ``--env`` names, or a UsageError naming the flag."""
+    try:
+        import gymnasium
+    except ImportError:
+        raise UsageError(
+            "populate needs gymnasium (and tqdm for the progress bar): "
+            "pip install 'replaybuf[examples]'"
+        ) from None
+    kwargs = {} if args.max_episode_steps is None else {"max_episode_steps": args.max_episode_steps}
+    try:
+        return gymnasium.make_vec(
+            args.env, num_envs=args.num_envs, vectorization_mode="sync", **kwargs
+        )
+    except gymnasium.error.Error as exc:
+        raise UsageError(f"--env: cannot make {args.env!r}: {exc}") from None
+
+
+def suite_path() -> Path:
+    """Where a source checkout keeps the benchmark suite (absent from an installed wheel)."""
+    return Path(replaybuf.__file__).resolve().parents[1] / "benchmarks" / "suite.py"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the suite's quick mode in a child Python; its table goes straight to stdout."""
+    suite = suite_path()
+    if not suite.is_file():
+        raise UsageError(
+            f"no benchmark suite at {suite}: benchmarks/ ships with replaybuf's source "
+            "checkout, not with the installed package; run this from a clone of the repository"
+        )
+    command = [sys.executable, str(suite), "--quick"]
+    return subprocess.run(command, cwd=suite.parents[1], check=False).returncode
 
 
 def describe_lines(summary: dict[str, Any]) -> list[str]:

@@ -95,6 +95,13 @@ def _where(kind: StorageKind, device: torch.device, folder: Path) -> str:
     return f"{device} memory" if device.type == "cuda" else "host memory (RAM)"
 
 
+def _remove_if_owner(path: Path, owner: int) -> None:
+    """Remove ``path`` only in the process that created it: a forked child (a DataLoader
+    worker, multiprocessing) that drops its copy of a buffer must not delete the parent's."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class _ScratchFolder:
     """A private folder for memmap files, removed on close, garbage collection or exit."""
 
@@ -104,7 +111,7 @@ class _ScratchFolder:
         # Absolute, so cleanup still finds it after the process changes directory.
         self.path = Path(tempfile.mkdtemp(prefix="replaybuf-", dir=parent)).absolute()
         # weakref.finalize also runs at interpreter exit, and never touches signal handlers.
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+        self._finalizer = weakref.finalize(self, _remove_if_owner, self.path, os.getpid())
 
     def remove(self) -> None:
         self._finalizer()

@@ -6,8 +6,10 @@ fixture and the tests read their results; a few extra cases call ``main`` in-pro
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, cli
 from replaybuf.checkpoint import write_checkpoint
 from replaybuf.cli import main
 
@@ -180,3 +182,145 @@ def test_verify_applies_the_episode_buffers_own_checks(tmp_path, capsys):
     manifest.write_text(json.dumps(document))
     assert main(["verify", str(directory)]) == 1
     assert "disagree with the episode table" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------- populate
+def populate(out: Path, *extra: str, steps: int = 60) -> list[str]:
+    return ["populate", "--env", "CartPole-v1", "--steps", str(steps), "--out", str(out), *extra]
+
+
+def test_populate_writes_a_checkpoint_that_inspect_reads(tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    out = tmp_path / "populated"
+    assert main(populate(out, "--num-envs", "2", "--seed", "0", steps=120)) == 0
+    printed = capsys.readouterr()
+    assert "collected 120 steps" in printed.out
+    assert "saved 120 steps in " in printed.out
+    assert "collect:" not in printed.err  # no progress bar: stderr is not a terminal here
+    assert main(["inspect", str(out)]) == 0
+    inspected = capsys.readouterr().out
+    assert "kind            EpisodeReplayBuffer" in inspected
+    assert "steps=120, valid_steps=120" in inspected
+    assert "in_progress 0" in inspected
+    assert main(["verify", str(out)]) == 0
+
+
+def test_populate_loads_back_as_an_episode_buffer(tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    from replaybuf import SyncEpisodeReplayBuffer
+
+    out = tmp_path / "runs" / "starter"  # missing parents are created by the save
+    args = populate(out, "--num-envs", "3", "--seed", "1", "--max-episode-steps", "10")
+    assert main(args) == 0
+    assert "collected 60 steps" in capsys.readouterr().out
+    with SyncEpisodeReplayBuffer.load_checkpoint(out, scratch_dir=tmp_path) as buf:
+        stats = buf.stats()
+        assert len(buf) == 60
+        assert stats["in_progress"] == 0
+        assert stats["agents"].keys() == {"env-0", "env-1", "env-2"}
+        assert all(int(e["length"]) <= 10 for e in buf.sample_episodes(100))
+
+
+def test_populate_refuses_to_replace_a_checkpoint_without_force(tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    out = tmp_path / "starter"
+    assert main(populate(out, "--seed", "0")) == 0
+    before = (out / "MANIFEST.json").read_bytes()
+    capsys.readouterr()
+    assert main(populate(out, steps=30)) == 2
+    assert "--out: " in capsys.readouterr().err
+    assert (out / "MANIFEST.json").read_bytes() == before
+    assert main(populate(out, "--force", steps=30)) == 0
+    assert "collected 30 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("make_out", "match"),
+    [
+        (lambda tmp: tmp / "file.txt" / "ckpt", "--out: .*file.txt is not a folder"),
+        (lambda tmp: tmp / "file.txt", "--out: .*file.txt exists and is not a folder"),
+        (lambda tmp: tmp / "photos", "--out: .*photos is a non-empty folder that is not a"),
+    ],
+)
+def test_populate_refuses_an_unusable_out_and_writes_nothing(tmp_path, capsys, make_out, match):
+    (tmp_path / "file.txt").write_text("keep me")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(populate(make_out(tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"replaybuf populate: error: {match}", err), err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "file.txt").read_text() == "keep me"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_populate_refuses_a_read_only_parent(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert main(populate(locked / "ckpt")) == 2
+    assert "--out: cannot write in" in capsys.readouterr().err
+
+
+def test_populate_names_an_unknown_environment(tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    args = ["populate", "--env", "NoSuchEnv-v0", "--steps", "10", "--out", str(tmp_path / "x")]
+    assert main(args) == 2
+    assert "--env: cannot make 'NoSuchEnv-v0'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_interrupted_populate_writes_nothing(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("gymnasium")
+    collect_module = importlib.import_module("replaybuf.collect")  # the module, even once
+    # replaybuf exports a function of the same name
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(collect_module, "collect", interrupted)
+    assert main(populate(tmp_path / "ckpt")) == 130
+    assert "replaybuf populate: interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", [["--steps", "0"], ["--num-envs", "x"]])
+def test_populate_bad_numbers_are_usage_errors(tmp_path, capsys, flag):
+    args = ["populate", "--env", "CartPole-v1", "--steps", "5", "--out", str(tmp_path), *flag]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert f"argument {flag[0]}: expected an integer" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- bench
+def test_bench_runs_the_suite_quick_mode_and_returns_its_status(tmp_path, monkeypatch, capfd):
+    suite = tmp_path / "benchmarks" / "suite.py"
+    suite.parent.mkdir()
+    suite.write_text(
+        "import os, sys\n"
+        "print('| workload | replaybuf |', sys.argv[1:], os.getcwd())\n"
+        "sys.exit(0 if sys.argv[1:] == ['--quick'] else 5)\n"
+    )
+    monkeypatch.setattr(cli, "suite_path", lambda: suite)
+    assert main(["bench"]) == 0
+    out = capfd.readouterr().out
+    assert "| workload | replaybuf | ['--quick']" in out
+    assert out.strip().endswith(str(tmp_path))  # run from the checkout's root
+    suite.write_text("import sys\nsys.exit(3)\n")
+    assert main(["bench"]) == 3
+
+
+def test_bench_without_the_suite_says_so_and_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "suite_path", lambda: tmp_path / "benchmarks" / "suite.py")
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "replaybuf bench: error: no benchmark suite at " in err
+    assert "source checkout" in err
+
+
+def test_suite_path_is_benchmarks_suite_py_beside_the_package():
+    import replaybuf
+
+    root = Path(replaybuf.__file__).resolve().parents[1]
+    assert cli.suite_path() == root / "benchmarks" / "suite.py"

@@ -285,3 +285,19 @@ def test_direct_row_writes_land_in_torchrl_storage_with_its_bookkeeping(tmp_path
         assert len(buf.memory.storage) == 7  # 6 step rows + the final one, as set() counts
         revision = buf.memory.storage._mutation_revision_value
         assert (revision.value if hasattr(revision, "value") else int(revision)) > before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_dropping_its_copy_leaves_the_parents_scratch_folder(tmp_path):
+    with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:
+        buf.add_batch(rows(0, 2))
+        scratch = Path(buf.stats()["scratch_dir"])
+        pid = os.fork()
+        if pid == 0:  # the child: drop its copy of the buffer, as a DataLoader worker would
+            del buf
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert scratch.is_dir()
+        assert ids_of(buf.sample_all()) == [0, 1]
+    assert not scratch.exists()  # the owner still removes it

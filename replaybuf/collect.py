@@ -1,0 +1,372 @@
+"""``collect``: fill an episode buffer from a gymnasium vector environment.
+
+Each vector step becomes one ``append_batch`` (one step per sub-environment that produced a
+transition) and each finished episode an ``end_episode`` with its true final observation::
+
+    import gymnasium as gym
+    from replaybuf import SyncEpisodeReplayBuffer
+    from replaybuf.collect import collect
+
+    envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+    with SyncEpisodeReplayBuffer(100_000, seed=0) as buf:
+        stats = collect(envs, lambda obs: envs.action_space.sample(), buf, 10_000, seed=0)
+        print(stats["episodes"], sum(stats["returns"]) / max(1, len(stats["returns"])))
+
+Autoreset modes (gymnasium 1.x, ``envs.metadata["autoreset_mode"]``):
+
+* ``NEXT_STEP`` (the default): the step after an episode ends returns the reset observation and
+  its action and reward are ignored, so that step stores nothing for that sub-environment;
+* ``SAME_STEP``: the step that ends an episode returns the reset observation; the final one is
+  ``info["final_obs"][i]``;
+* ``DISABLED``: finished sub-environments are reset here with ``reset(options={"reset_mask":
+  ...})``.
+
+``steps`` counts stored transitions: exactly that many are written (the last vector step may
+store fewer than ``num_envs``; sub-environments left out end their episode at the observation
+they stood in). Episodes still running at the end are ended ``truncated`` (bootstrapping from
+their last observation), so every stored step is sampleable; the same happens, best effort,
+when ``collect`` is interrupted. Rewards are stored as float32. Each call starts with
+``envs.reset(seed=seed)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaybuf.aio import EpisodeReplayBuffer
+from replaybuf.args import int_at_least, positive_int
+from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.errors import ReplayBufError
+from replaybuf.schema import to_leaves
+
+Observation = np.ndarray | dict[str, Any]  # a batch: [num_envs, ...], or a dict of those
+NEXT_STEP, SAME_STEP, DISABLED = "NextStep", "SameStep", "Disabled"
+WHAT = "collect"
+
+
+def collect(
+    envs: Any,
+    policy: Callable[[Any], Any],
+    buffer: SyncEpisodeReplayBuffer | EpisodeReplayBuffer,
+    steps: int,
+    *,
+    seed: int | None = None,
+    progress: bool | None = None,
+    torch_policy: bool = False,
+    agent_id: str = "env",
+) -> dict[str, Any]:
+    """Run ``policy`` in ``envs`` until ``steps`` transitions are stored in ``buffer``.
+
+    Args:
+        envs: a gymnasium vector environment (``gymnasium.make_vec(...)``).
+        policy: observation batch -> action batch (``[num_envs, ...]``, array or tensor).
+        buffer: a :class:`SyncEpisodeReplayBuffer`, or an :class:`EpisodeReplayBuffer`
+            written through its ``.sync`` core (call ``collect`` on its event loop's thread,
+            never in a worker thread while tasks use the buffer).
+        steps: transitions to store.
+        seed: passed to ``envs.reset``.
+        progress: show a tqdm bar on stderr; ``None``: when stderr is a terminal and tqdm is
+            installed.
+        torch_policy: give the policy ``torch.Tensor`` observations instead of numpy arrays.
+        agent_id: sub-environment i writes its episodes as ``f"{agent_id}-{i}"``.
+
+    Returns:
+        ``steps`` stored, ``episodes`` the environments finished (``terminated`` +
+        ``truncated``), their ``returns`` (undiscounted, in order of ending), ``cut``
+        (episodes ended by the end of collection), ``vector_steps`` and ``seconds``.
+
+    Before anything is written, the first action batch and the observations are checked
+    against the environment's spaces and the spec the buffer already stores; a mismatch
+    raises (``ValueError`` / :class:`replaybuf.SchemaError`) naming the field.
+    """
+    sync = _sync_buffer(buffer)
+    steps = positive_int(steps, "steps")
+    if seed is not None:
+        seed = int_at_least(seed, "seed", 0)
+    if not isinstance(agent_id, str):
+        raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+    num_envs, mode = _vector_env(envs)
+    run = _Run(envs, policy, sync, num_envs, mode, torch_policy, agent_id)
+    started = time.perf_counter()
+    observations, _ = envs.reset(seed=seed)
+    run.start(observations)
+    bar = _progress_bar(progress, steps)
+    try:
+        while run.stored < steps:
+            finished = len(run.returns)
+            stored = run.step(steps - run.stored)
+            if bar is not None:
+                bar.update(stored)
+                if len(run.returns) > finished:
+                    recent = run.returns[-100:]
+                    mean = sum(recent) / len(recent)
+                    bar.set_postfix(episodes=len(run.returns), ret=f"{mean:.3g}", refresh=False)
+        run.finish()
+    except BaseException:
+        run.abandon()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return run.stats(time.perf_counter() - started)
+
+
+class _Run:
+    """The state of one ``collect`` call: open episodes, last observations, counters."""
+
+    def __init__(
+        self,
+        envs: Any,
+        policy: Callable[[Any], Any],
+        buffer: SyncEpisodeReplayBuffer,
+        num_envs: int,
+        mode: str,
+        torch_policy: bool,
+        agent_id: str,
+    ) -> None:
+        self.envs, self.policy, self.buffer = envs, policy, buffer
+        self.num_envs, self.mode, self.torch_policy = num_envs, mode, torch_policy
+        self.agents = [f"{agent_id}-{i}" for i in range(num_envs)]
+        self.episode: list[int | None] = [None] * num_envs  # the open episode of each env
+        self.tail: list[Any] = [None] * num_envs  # where each open episode stands now
+        self.running_return = np.zeros(num_envs)
+        self.resetting = np.zeros(num_envs, dtype=bool)  # NEXT_STEP: this step is a reset
+        self.observations: Observation = {}
+        self.actions: Any = None
+        self.stored = self.vector_steps = self.cut = 0
+        self.returns: list[float] = []
+        self.ends = {"terminated": 0, "truncated": 0}
+
+    # ----------------------------------------------------------------- checks
+    def start(self, observations: Observation) -> None:
+        """Check the first observations and actions against the spaces and the buffer."""
+        _check_observations(observations, self.num_envs)
+        self.observations = observations
+        self.actions = self._act(first=True)
+        rows = _step_rows(observations, self.actions, np.zeros(self.num_envs), np.arange(1))
+        spec = self.buffer.spec
+        leaves = to_leaves(rows, batched=True, what=WHAT, spec=spec)  # types, one row
+        if spec is not None:
+            spec.check(leaves, 1, f"{WHAT} (the buffer's stored spec against this env)")
+
+    def _act(self, first: bool = False) -> Any:
+        """The policy's actions for the current observations, checked."""
+        inputs = _as_torch(self.observations) if self.torch_policy else self.observations
+        actions = self.policy(inputs)
+        if isinstance(actions, torch.Tensor):
+            actions = actions.detach().cpu()
+        elif not isinstance(actions, np.ndarray):
+            actions = np.asarray(actions)
+        _check_actions(actions, self.envs.single_action_space, self.num_envs, first)
+        return actions
+
+    # ----------------------------------------------------------------- the loop
+    def step(self, room: int) -> int:
+        """One vector step; stores at most ``room`` transitions and returns how many."""
+        actions = self.actions if self.actions is not None else self._act()
+        self.actions = None
+        env_actions = actions.numpy() if isinstance(actions, torch.Tensor) else actions
+        observations, rewards, terminated, truncated, infos = self.envs.step(env_actions)
+        self.vector_steps += 1
+        real = ~self.resetting
+        keep = real & (np.cumsum(real) <= room)
+        done = terminated | truncated
+        reached = _reached(observations, infos, done, self.mode)
+        kept = np.flatnonzero(keep)
+        if kept.size:
+            self._append(kept, actions, rewards, reached)
+        for i in np.flatnonzero(keep & done):
+            self._end(int(i), "terminated" if terminated[i] else "truncated", _row(reached, i))
+        if self.mode == NEXT_STEP:
+            self.resetting = done.copy()
+        elif self.mode == DISABLED and done.any():
+            fresh, _ = self.envs.reset(options={"reset_mask": done.copy()})
+            observations = _map(np.copy, observations)
+            for i in np.flatnonzero(done).tolist():  # only the reset rows are taken
+                _put(observations, i, _row(fresh, i))
+        self.observations = observations
+        return int(kept.size)
+
+    def _append(self, kept: np.ndarray, actions: Any, rewards: np.ndarray, reached: Any) -> None:
+        for i in kept.tolist():
+            if self.episode[i] is None:
+                self.episode[i] = self.buffer.start_episode(self.agents[i])
+        ids = [self.episode[i] for i in kept.tolist()]
+        rows = _step_rows(self.observations, actions, rewards, kept)
+        self.buffer.append_batch(ids, rows["observation"], rows["action"], rows["reward"])
+        self.stored += kept.size
+        self.running_return[kept] += rewards[kept]
+        for i in kept.tolist():
+            self.tail[i] = _row(reached, i)
+
+    def _end(self, i: int, status: str, final: Any) -> None:
+        self.buffer.end_episode(self.episode[i], status, final)
+        self.ends[status] += 1
+        self.returns.append(float(self.running_return[i]))
+        self.running_return[i] = 0.0
+        self.episode[i] = self.tail[i] = None
+
+    def finish(self) -> None:
+        """End every episode still running as truncated at the observation it reached."""
+        for i in range(self.num_envs):
+            if self.tail[i] is not None:  # None: no step stored yet (an append failed)
+                self.buffer.end_episode(self.episode[i], "truncated", self.tail[i])
+                self.cut += 1
+            self.episode[i] = self.tail[i] = None
+
+    def abandon(self) -> None:
+        """After an error or an interrupt: end what can be ended, so stored steps stay valid."""
+        with contextlib.suppress(ReplayBufError, ValueError):  # the buffer itself failed
+            self.finish()
+
+    def stats(self, seconds: float) -> dict[str, Any]:
+        return {
+            "steps": self.stored,
+            "episodes": len(self.returns),
+            **self.ends,
+            "returns": self.returns,
+            "cut": self.cut,
+            "vector_steps": self.vector_steps,
+            "seconds": seconds,
+        }
+
+
+# ----------------------------------------------------------------- helpers
+def _sync_buffer(buffer: Any) -> SyncEpisodeReplayBuffer:
+    if isinstance(buffer, EpisodeReplayBuffer):
+        return buffer.sync
+    if isinstance(buffer, SyncEpisodeReplayBuffer):
+        return buffer
+    raise TypeError(
+        "buffer must be a SyncEpisodeReplayBuffer or an EpisodeReplayBuffer (collect writes "
+        f"episodes), got {type(buffer).__name__}"
+    )
+
+
+def _vector_env(envs: Any) -> tuple[int, str]:
+    """``(num_envs, autoreset mode)`` of a gymnasium vector env, or ``TypeError``."""
+    needed = ("num_envs", "single_action_space", "single_observation_space", "step", "reset")
+    missing = [name for name in needed if not hasattr(envs, name)]
+    if missing:
+        raise TypeError(
+            "envs must be a gymnasium vector environment (gymnasium.make_vec(...)), got "
+            f"{type(envs).__name__} without {', '.join(missing)}"
+        )
+    mode = getattr(envs, "metadata", {}).get("autoreset_mode", NEXT_STEP)
+    mode = getattr(mode, "value", mode)  # gymnasium.vector.AutoresetMode or its value
+    if mode not in (NEXT_STEP, SAME_STEP, DISABLED):
+        raise ValueError(f"envs: unknown autoreset mode {mode!r}")
+    return positive_int(envs.num_envs, "envs.num_envs"), mode
+
+
+def _progress_bar(progress: bool | None, total: int) -> Any:
+    """A tqdm bar on stderr, or None (``progress=None``: only on a terminal)."""
+    if progress is False:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if progress:
+            raise ImportError("progress=True needs tqdm: pip install tqdm") from None
+        return None
+    if progress is None and not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, unit="step", desc="collect", file=sys.stderr, dynamic_ncols=True)
+
+
+def _check_observations(observations: Any, num_envs: int) -> None:
+    for name, value in _leaves(observations, "observation"):
+        if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != num_envs:
+            got = getattr(value, "shape", type(value).__name__)
+            raise ValueError(
+                f"{WHAT}: envs returned {name} expected an array with leading dimension "
+                f"{num_envs} (num_envs), got {got}"
+            )
+
+
+def _check_actions(actions: Any, space: Any, num_envs: int, first: bool) -> None:
+    """Actions ``[num_envs, *space.shape]``; on the first call each must lie in ``space``."""
+    shape = tuple(actions.shape)
+    expected = (num_envs, *(space.shape or ()))
+    if shape != expected:
+        raise ValueError(
+            f"{WHAT}: policy actions expected shape {list(expected)} (num_envs and the "
+            f"action space {space}), got {list(shape)}"
+        )
+    if not first:
+        return
+    values = actions.numpy() if isinstance(actions, torch.Tensor) else actions
+    for i in range(num_envs):
+        if not space.contains(values[i]):
+            raise ValueError(
+                f"{WHAT}: policy action for env {i} expected to lie in the action space "
+                f"{space}, got {values[i]!r} (dtype {values.dtype})"
+            )
+
+
+def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
+    if isinstance(tree, Mapping):
+        out = []
+        for key, value in tree.items():
+            out += _leaves(value, f"{prefix}.{key}")
+        return out
+    if isinstance(tree, tuple):
+        raise TypeError(
+            f"{WHAT}: {prefix} expected arrays or dicts of arrays, got a tuple (Tuple spaces "
+            "are not supported)"
+        )
+    return [(prefix, tree)]
+
+
+def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {key: _map(fn, value) for key, value in tree.items()}
+    return fn(tree)
+
+
+def _row(tree: Any, i: int) -> Any:
+    """Sub-environment ``i``'s observation (copied: env arrays may be reused)."""
+    return _map(lambda a: np.array(a[i]), tree)
+
+
+def _as_torch(tree: Any) -> Any:
+    return _map(torch.from_numpy, tree)
+
+
+def _step_rows(observations: Any, actions: Any, rewards: np.ndarray, rows: np.ndarray) -> dict:
+    """The ``append_batch`` fields of sub-environments ``rows``."""
+    take = torch.as_tensor(rows) if isinstance(actions, torch.Tensor) else rows
+    return {
+        "observation": _map(lambda a: a[rows], observations),
+        "action": actions[take],
+        "reward": np.asarray(rewards, dtype=np.float32)[rows],
+    }
+
+
+def _reached(observations: Any, infos: Mapping[str, Any], done: np.ndarray, mode: str) -> Any:
+    """The observation each sub-environment's transition led to: the returned one, except
+    for a finished episode under SAME_STEP, whose final one is in ``infos["final_obs"]``."""
+    if mode != SAME_STEP or not done.any():
+        return observations
+    finals = infos.get("final_obs")
+    if finals is None:
+        raise RuntimeError(f"{WHAT}: SAME_STEP autoreset expected info['final_obs'], got none")
+    reached = _map(np.copy, observations)
+    for i in np.flatnonzero(done).tolist():
+        _put(reached, i, finals[i])
+    return reached
+
+
+def _put(tree: Any, i: int, value: Any) -> None:
+    if isinstance(tree, Mapping):
+        for key in tree:
+            _put(tree[key], i, value[key])
+    else:
+        tree[i] = value
