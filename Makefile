@@ -11,7 +11,7 @@ EXTRAS ?= dev,examples,sb3,ray,bench
 
 BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test lint bench bench-quick bench-detail clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,13 +28,18 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q
 
-# Each benchmark prints a table (ratios to the raw-TorchRL baseline and the raw-tensor floor,
-# medians) and writes JSON to benchmarks/results/.
+# Issue 6's one table (W1-W5, scaling, memory) with PASS/FAIL against the raw floor and the
+# peers (cpprb, SB3, TorchRL: the bench extra); JSON in benchmarks/results/, plot in
+# benchmarks/scaling.png. --quick runs in under two minutes.
 bench: $(VENV)/.installed
-	for b in $(BENCHES); do $(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/suite.py
 
 bench-quick: $(VENV)/.installed
-	for b in $(BENCHES); do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	$(PY) benchmarks/suite.py --quick
+
+# The per-issue benchmarks (prioritized replay, episodes, checkpoints, ...), beside raw TorchRL.
+bench-detail: $(VENV)/.installed
+	for b in $(BENCHES); do $(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
