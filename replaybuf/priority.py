@@ -424,7 +424,7 @@ class SegmentTreePriorityIndex(PriorityIndex):
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         masses = sample_masses(batch_size, self._stats[0], generator, self.device)  # [B]
-        items = self._sums.scan_lower_bound(masses).clamp_max(self.capacity - 1)  # [B]
+        items = self._sums.scan_lower_bound(masses).clamp_max_(self.capacity - 1)  # [B]
         sums = self._leaf_sums(items)  # [B] float64; read once: guard and importance weights
         # A zero leaf only after round-off at the top of the range; min() is the cheapest test.
         if batch_size and sums.min().item() == 0:

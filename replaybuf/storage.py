@@ -300,8 +300,14 @@ class SlotStorage:
                 # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
                 # the data has arrived, and nothing here would wait for it.
                 values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
-        if keys is None and not extra and self._flat_names is not None and _NEW_UNSAFE:
+        if keys is None and self._flat_names is not None and _NEW_UNSAFE:
             source = dict(zip(self._flat_names, values, strict=True))
+            if extra:
+                if any(len(k) != 1 for k in extra):
+                    return build_tensordict(
+                        [*(k for k, _ in leaves), *extra], [*values, *extra.values()], rows, device
+                    )
+                source.update((k[0], v) for k, v in extra.items())
             return _NEW_UNSAFE(source, batch_size=torch.Size([rows]), device=device)
         names = [k for k, _ in leaves]
         if extra:

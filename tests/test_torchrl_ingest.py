@@ -174,9 +174,9 @@ def run_multisync() -> list[TensorDict]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not os.environ.get("REPLAYBUF_MULTIPROCESS_TESTS"),
+    bool(os.environ.get("REPLAYBUF_SKIP_MULTIPROCESS_TESTS")),
     reason="spawns two collector workers (10-30 s on a 2-core machine); "
-    "set REPLAYBUF_MULTIPROCESS_TESTS=1 to run it",
+    "REPLAYBUF_SKIP_MULTIPROCESS_TESTS is set",
 )
 def test_multisync_collector_batches(buffer):
     threads = torch.get_num_threads()
