@@ -67,6 +67,7 @@ OBS, ACT = 17, 6
 PIXELS = (4, 84, 84)
 FLOOR = "floor"
 RB_TENSOR, RB_MEMMAP = "replaybuf tensor", "replaybuf memmap"
+RB_FRAMES = "replaybuf frame_stack=4"  # W3: one frame stored per step, stacks rebuilt
 CPPRB, SB3, TIANSHOU, TORCHRL = "cpprb", "sb3", "tianshou", "torchrl"
 FILL_CHUNK = 100_000
 
@@ -776,9 +777,20 @@ def floor_pixels(frames: Frames, count: int, length: int, batch: int) -> Built:
 
 
 def replaybuf_pixels(
-    frames: Frames, count: int, length: int, batch: int, scratch: Path, kind: str = "tensor"
+    frames: Frames,
+    count: int,
+    length: int,
+    batch: int,
+    scratch: Path,
+    kind: str = "tensor",
+    frame_stack: bool = False,
 ) -> Built:
-    buf = SyncEpisodeReplayBuffer(count * length, count, storage=kind, scratch_dir=scratch, seed=0)
+    """replaybuf's episode buffer; ``frame_stack``: append each stack's newest frame only and
+    let ``frame_stack=4`` rebuild the stacks (the same observations come back)."""
+    stack = PIXELS[0] if frame_stack else None
+    buf = SyncEpisodeReplayBuffer(
+        count * length, count, storage=kind, scratch_dir=scratch, seed=0, frame_stack=stack
+    )
     es = torch.arange(count)
     ids = [buf.start_episode() for _ in range(count)]
     block = 50  # make observations 50 steps at a time (bounded memory)
@@ -786,15 +798,19 @@ def replaybuf_pixels(
         t1 = min(length, t0 + block)
         obs = frames.obs(es, t0, t1)
         act, rew = pixel_action(es, t0, t1), pixel_reward(es, t0, t1)
+        if frame_stack:
+            obs = obs[:, :, -1]  # [count, steps, 84, 84]: the newest frame of each stack
         for t in range(t1 - t0):
             buf.append_batch(ids, obs[:, t], act[:, t], rew[:, t])
     final = frames.obs(es, length, length + 1)[:, 0]
+    if frame_stack:
+        final = final[:, -1]
     for e, episode in enumerate(ids):
         buf.end_episode(episode, "terminated", final[e])
     buf.sample_n_step(1)  # writes the staged rows, so that stats() counts them
     stats = buf.stats()
     return Built(
-        RB_TENSOR if kind == "tensor" else RB_MEMMAP,
+        RB_FRAMES if frame_stack else RB_TENSOR if kind == "tensor" else RB_MEMMAP,
         lambda: buf.sample_n_step(batch, n=1),
         None,
         stats["bytes"],

@@ -246,6 +246,9 @@ def section_pixels(cfg: Config, scratch: Path) -> dict[str, Any]:
         peers.RB_TENSOR: lambda: peers.replaybuf_pixels(
             frames, count, length, PIXEL_BATCH, scratch
         ),
+        peers.RB_FRAMES: lambda: peers.replaybuf_pixels(
+            frames, count, length, PIXEL_BATCH, scratch, frame_stack=True
+        ),
     }
     if have[peers.CPPRB]:
         makers[peers.CPPRB] = lambda: peers.cpprb_pixels(frames, count, length, PIXEL_BATCH)
@@ -635,6 +638,36 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             rbb / payload <= 1.02,
         )
     )
+
+    if peers.RB_FRAMES in p["pairs"]:  # the frame-stack deduplication the issue asks for
+        fp = p["pairs"][peers.RB_FRAMES]
+        ff, fr = med(fp[peers.FLOOR]), med(fp[peers.RB_FRAMES])
+        rows.append(
+            Row(
+                f"W3 sample({PIXEL_BATCH}), replaybuf frame_stack=4 (stacks rebuilt)",
+                micros(ff),
+                micros(fr),
+                fr / ff,
+                bcell,
+                tcell,
+                "(info: the floor reads stored stacks)",
+                None,
+            )
+        )
+        one_frame = p["layouts"]["one frame per step"]
+        fb = mem[peers.RB_FRAMES]["bytes_per_step"]
+        rows.append(
+            Row(
+                "W3 stored bytes/transition, frame_stack=4",
+                f"{nbytes(one_frame)} (one frame per step)",
+                nbytes(fb),
+                fb / one_frame,
+                "-" if bname is None else f"{bname} {nbytes(peer_bytes[bname])}",
+                nbytes(mem.get(peers.TORCHRL, {}).get("bytes_per_step")),
+                "~7.1 KB, within 1.02x one frame's payload",
+                fb / one_frame <= 1.02,
+            )
+        )
 
     # ---- W4
     w = res["inserts"]
