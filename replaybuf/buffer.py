@@ -22,7 +22,7 @@ from torchrl.data import TensorDictReplayBuffer
 from replaybuf import buffer_checkpoint, metadata
 from replaybuf.args import index_tensor, int_at_least, positive_int
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
-from replaybuf.iterators import epoch_batches, epoch_order, num_batches
+from replaybuf.iterators import epoch_batches, num_batches
 from replaybuf.prioritized import (
     Prioritizer,
     check_beta,
@@ -389,7 +389,15 @@ class ReplayBuffer:
     ) -> Iterator[TensorDict]:
         resets = self._resets
         for _ in range(n_epochs):
-            order = epoch_order(self._oldest_first(), shuffle, self._generator)
+            if shuffle:
+                # The ring fills from slot 0, so the stored slots are always 0 .. size-1 and a
+                # permutation of them is randperm itself (the same draw epoch_order makes): no
+                # arange, rotation or gather of a million indices per epoch.
+                order = torch.randperm(
+                    self._size, generator=self._generator, device=self.storing_device
+                )
+            else:
+                order = self._oldest_first()
             for slots in epoch_batches(order, batch_size, drop_last):
                 self._check_open()
                 if self._resets != resets:
