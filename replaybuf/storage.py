@@ -374,6 +374,9 @@ def build_tensordict(
     keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device
 ) -> TensorDict:
     """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device``."""
+    if _NEW_UNSAFE is not None and all(len(key) == 1 for key in keys):  # no nesting to build
+        source = {key[0]: value for key, value in zip(keys, values, strict=True)}
+        return _NEW_UNSAFE(source, batch_size=torch.Size([rows]), device=device)
     return _assemble(nest(dict(zip(keys, values, strict=True))), torch.Size([rows]), device)
 
 
