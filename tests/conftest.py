@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -65,3 +65,20 @@ def make_buffer(tmp_path):
 def storage(request) -> str:
     """Both CPU storage kinds: every test using it runs once per kind."""
     return request.param
+
+
+@pytest.fixture
+def make_episode_buffer(tmp_path):
+    """A factory for sync episode buffers with scratch files under ``tmp_path``, all closed."""
+    made: list[SyncEpisodeReplayBuffer] = []
+
+    def factory(max_steps=64, max_episodes=None, **kwargs):
+        kwargs.setdefault("scratch_dir", tmp_path)
+        kwargs.setdefault("seed", 0)
+        buf = SyncEpisodeReplayBuffer(max_steps, max_episodes, **kwargs)
+        made.append(buf)
+        return buf
+
+    yield factory
+    for buf in made:
+        buf.close()

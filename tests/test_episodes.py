@@ -34,20 +34,9 @@ from replaybuf import (
 
 
 @pytest.fixture
-def make(tmp_path):
-    """A factory for sync episode buffers with scratch files under ``tmp_path``, all closed."""
-    made: list[SyncEpisodeReplayBuffer] = []
-
-    def factory(max_steps=64, max_episodes=None, **kwargs):
-        kwargs.setdefault("scratch_dir", tmp_path)
-        kwargs.setdefault("seed", 0)
-        buf = SyncEpisodeReplayBuffer(max_steps, max_episodes, **kwargs)
-        made.append(buf)
-        return buf
-
-    yield factory
-    for buf in made:
-        buf.close()
+def make(make_episode_buffer):
+    """A factory for sync episode buffers (conftest's), all closed at the end."""
+    return make_episode_buffer
 
 
 def reference_for(buf: SyncEpisodeReplayBuffer) -> ReferenceBuffer:

@@ -9,6 +9,7 @@ padding, dict observations, errors that change nothing, checkpoints, metadata, m
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -45,21 +46,9 @@ from replaybuf.index import stack_rows, stack_windows
 
 
 @pytest.fixture
-def make(tmp_path):
-    """A factory for frame-stacking sync buffers with scratch files under ``tmp_path``."""
-    made: list[SyncEpisodeReplayBuffer] = []
-
-    def factory(max_steps=64, max_episodes=None, **kwargs):
-        kwargs.setdefault("scratch_dir", tmp_path)
-        kwargs.setdefault("seed", 0)
-        kwargs.setdefault("frame_stack", 3)
-        buf = SyncEpisodeReplayBuffer(max_steps, max_episodes, **kwargs)
-        made.append(buf)
-        return buf
-
-    yield factory
-    for buf in made:
-        buf.close()
+def make(make_episode_buffer):
+    """A factory for frame-stacking sync buffers (``frame_stack=3`` unless given)."""
+    return functools.partial(make_episode_buffer, frame_stack=3)
 
 
 def reference_for(buf: SyncEpisodeReplayBuffer) -> ReferenceBuffer:
