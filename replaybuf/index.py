@@ -57,6 +57,18 @@ def nstep_windows(
     whole call is O(B · n_max), independent of how many rows or episodes are stored.
     """
     per_sample = isinstance(n, torch.Tensor)
+    if n_max == 1:  # one step: every anchor has its next row; 4 kernels instead of ~12
+        last = next_row.index_select(0, start)  # [B]
+        kind = end_kind.index_select(0, last)
+        return Windows(
+            rows=start.unsqueeze(1),
+            valid=torch.ones((start.shape[0], 1), dtype=torch.bool, device=start.device),
+            m=torch.ones_like(start),
+            last_row=last,
+            terminal=kind == END_TERMINATED,
+            truncated=kind == END_TRUNCATED,
+            cut=torch.zeros_like(start, dtype=torch.bool),
+        )
     cur = start  # row of obs_{t+k} while the window is still growing
     active = torch.ones_like(start, dtype=torch.bool)
     held, taken = [start], [active]
