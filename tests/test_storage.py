@@ -301,3 +301,30 @@ def test_a_forked_child_dropping_its_copy_leaves_the_parents_scratch_folder(tmp_
         assert scratch.is_dir()
         assert ids_of(buf.sample_all()) == [0, 1]
     assert not scratch.exists()  # the owner still removes it
+
+
+@pytest.mark.parametrize("chunks", [[3, 4, 9], [1] * 13, [12, 1, 5]])
+def test_ring_writes_leave_torchrl_s_view_exactly_as_its_own_extend_would(
+    tmp_path, storage, chunks
+):
+    # After the first write, add_batch copies rows straight into TorchRL's tensors and moves
+    # its writer by state_dict; a plain TensorDictReplayBuffer fed the same chunks through
+    # extend() must end in the same state: rows, "index" column, cursor, write count, length.
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    reference = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
+    with ReplayBuffer("cpu", "cpu", 10, storage=storage, scratch_dir=tmp_path) as buf:
+        written = 0
+        for count in chunks:
+            buf.add_batch(rows(written, count))
+            reference.extend(rows(written, count))
+            written += count
+        ours, theirs = buf.memory, reference
+        assert ours.writer.state_dict() == theirs.writer.state_dict()
+        assert len(ours.storage) == len(theirs.storage)
+        everything = torch.arange(10)
+        mine, want = ours.storage.get(everything), theirs.storage.get(everything)
+        for key in ("obs", "action", "reward", "done", "index"):
+            assert torch.equal(mine[key], want[key]), key
+        assert buf.pointer == theirs.writer.state_dict()["_cursor"]
+        assert ids_of(buf.sample_all()) == list(range(written))[-10:]
