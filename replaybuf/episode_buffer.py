@@ -228,7 +228,7 @@ class SyncEpisodeReplayBuffer:
             raise ValueError("episode_ids must name at least one episode, got none")
         if len(set(ids)) != len(ids):
             raise ValueError(f"episode_ids must be distinct, got {ids}")
-        episodes = [self._core.in_progress(i, "append to") for i in ids]
+        episodes = self._core.in_progress_all(ids, "append to")
         rows = self._core.step_row(observations, actions, rewards, extras, True, "append_batch")
         got = next(iter(rows.values())).shape[0]
         if got != len(ids):

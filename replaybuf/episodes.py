@@ -435,16 +435,33 @@ class EpisodeCore:
 
     def _assign_rows(self, episodes: list[Episode]) -> list[int]:
         """Free rows for one new step of each episode, linked after its previous step."""
-        new_rows = [self.free.pop() for _ in episodes]
-        for episode, row in zip(episodes, new_rows, strict=True):
-            self._staged_meta.append(
-                (row, episode.episode_id, episode.steps, END_NONE, self._allocate())
-            )
-            if episode.rows:
-                self._link(episode.rows[-1], row)
-            episode.rows.append(row)
+        # One plain loop with local names: this runs once per environment per vector step.
+        pop, meta, links = self.free.pop, self._staged_meta, self._staged_links
+        linked, first = len(links), self.allocations
+        new_rows = []
+        for i, episode in enumerate(episodes):
+            row, rows = pop(), episode.rows
+            meta.append((row, episode.episode_id, len(rows), END_NONE, first + i))
+            if rows:
+                links.append((rows[-1], row))
+            rows.append(row)
+            new_rows.append(row)
+        self.valid_steps += len(links) - linked
+        self.allocations += len(episodes)
         self.steps += len(episodes)
         return new_rows
+
+    def in_progress_all(self, episode_ids: list[Any], action: str) -> list[Episode]:
+        """:meth:`in_progress` for several ids (the precise error for the first bad one)."""
+        episodes, found = [], self.episodes
+        for episode_id in episode_ids:
+            # Plain ints that name an episode in progress take the dict hit; anything else
+            # (numpy ints, unknown, ended) goes through in_progress's checks and messages.
+            episode = found.get(episode_id) if type(episode_id) is int else None
+            if episode is None or episode.end_kind != END_NONE:
+                episode = self.in_progress(episode_id, action)
+            episodes.append(episode)
+        return episodes
 
     def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
         """Record the end of an episode with its final observation row."""
