@@ -837,3 +837,22 @@ def test_kill_during_recovery_is_recovered_again(crash_server, tmp_path):
     assert reply["signal"] == 9
     assert state_before_recovery(directory) == "D, old+manifest"
     assert load_exactly_one(directory) == 2
+
+
+def test_a_source_rewritten_while_it_streams_still_matches_its_sha256(tmp_path, monkeypatch):
+    # An episode buffer's snapshot streams whole columns up to its high-water mark; free rows
+    # in that range may be rewritten by appends meanwhile. Whatever bytes are hashed must be
+    # the bytes written: here the source changes right after each chunk is hashed.
+    source = torch.arange(4096, dtype=torch.int64)
+    monkeypatch.setattr(ckpt_streams, "CHUNK_BYTES", 8 * 1024)  # 4 chunks
+    original = ckpt_streams.Sha256.update
+
+    def update_then_rewrite(self, data):
+        original(self, data)
+        source.add_(1)  # an append landing in a free row, mid-stream
+
+    monkeypatch.setattr(ckpt_streams.Sha256, "update", update_then_rewrite)
+    nbytes, digest = ckpt_writer._write_tensor(tmp_path / "t.bin", source, durable=False)
+    written = (tmp_path / "t.bin").read_bytes()
+    assert nbytes == len(written) == 4096 * 8
+    assert hashlib.sha256(written).hexdigest() == digest

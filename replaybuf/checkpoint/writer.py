@@ -176,14 +176,22 @@ def _write_manifest(tmp: Path, target: Path, payload: bytes, durable: bool) -> N
 def _write_tensor(path: Path, tensor: torch.Tensor, durable: bool) -> tuple[int, str]:
     """Stream ``tensor`` into a new file at ``path``; returns (bytes written, sha256 hex)."""
     total = 0
+    scratch: torch.Tensor | None = None  # the private copy of the current chunk
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with streams.Sha256() as digest:
             for chunk in streams.chunks(streams.plain(tensor)):
-                if chunk.device.type != "cpu":
-                    chunk = chunk.to("cpu")
-                chunk = chunk.resolve_conj().resolve_neg().contiguous()
-                data = streams.byte_view(chunk)  # a view: a CPU memmap tensor is not copied
+                # Hash and write one private copy of each chunk (at most CHUNK_BYTES): rows the
+                # snapshot does not own (free rows under an episode buffer's high-water mark)
+                # may be rewritten by appends while this streams, and the file must still
+                # match its sha256. Those rows are never read back; owned rows are pinned.
+                chunk = chunk.resolve_conj().resolve_neg()
+                nbytes = chunk.numel() * chunk.element_size()
+                if scratch is None or scratch.numel() < nbytes:
+                    scratch = torch.empty(nbytes, dtype=torch.uint8)
+                copy = scratch[:nbytes].view(chunk.dtype).view(chunk.shape)
+                copy.copy_(chunk)  # one buffer, reused: bounded RAM however big the tensor
+                data = streams.byte_view(copy)
                 digest.update(data)  # on a helper thread, while this one writes
                 streams.write_all(fd, memoryview(data))
                 digest.wait()  # ``data`` may be a temporary: hashed before it is dropped
