@@ -18,26 +18,19 @@ import pytest
 import torch
 from episode_helpers import (
     action,
-    assert_counts_agree,
     assert_episode_record,
     assert_nstep_batch,
-    assert_sequence_batch,
-    batch_of,
     final_obs,
     obs,
-    pairs_of,
     reward,
-    step,
 )
+from episode_program import Program, reference_for
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import ReferenceBuffer
 
 from replaybuf import (
     CorruptCheckpointError,
-    EmptyBufferError,
     EpisodeReplayBuffer,
-    EpisodeStateError,
     MetadataError,
     SchemaError,
     SyncEpisodeReplayBuffer,
@@ -49,16 +42,6 @@ from replaybuf.index import stack_rows, stack_windows
 def make(make_episode_buffer):
     """A factory for frame-stacking sync buffers (``frame_stack=3`` unless given)."""
     return functools.partial(make_episode_buffer, frame_stack=3)
-
-
-def reference_for(buf: SyncEpisodeReplayBuffer) -> ReferenceBuffer:
-    return ReferenceBuffer(
-        buf.max_steps,
-        buf.max_episodes,
-        row_capacity=buf.stats()["rows"],
-        frame_stack=buf.frame_stack,
-        padding=buf.frame_stack_padding,
-    )
 
 
 def frame(e: int, t: int) -> torch.Tensor:
@@ -135,121 +118,6 @@ def test_stack_rows_and_windows_match_the_plain_oracle(lengths, k, seed):
 
 
 # --------------------------------------------------------------------------- random programs
-class Program:
-    """One operation on the buffer and on the reference, then a check that they agree."""
-
-    def __init__(self, buf: SyncEpisodeReplayBuffer) -> None:
-        self.buf = buf
-        self.ref = reference_for(buf)
-        self.ends_sampled = False  # an n-step batch held a window reaching an episode end
-
-    def running(self) -> list[int]:
-        return [e for e, ep in self.ref.episodes.items() if not ep.ended]
-
-    def both(self, buf_call, ref_call) -> None:
-        before = self.buf.stats()
-        try:
-            ref_call()
-        except ValueError:
-            with pytest.raises(ValueError, match="cannot make room"):
-                buf_call()
-            assert self.buf.stats() == before
-            return
-        buf_call()
-
-    def start(self, agent: str) -> None:
-        assert self.buf.start_episode(agent) == self.ref.start(agent)
-
-    def append(self, pick: int, count: int) -> None:
-        if not self.running():
-            self.start("a")
-        running = self.running()
-        e = running[pick % len(running)]
-        for _ in range(count):
-            o, a, r, x = step(e, self.ref.episodes[e].steps)
-            self.both(
-                lambda: self.buf.append_observation_action_reward(e, o, a, r, x),  # noqa: B023
-                lambda: self.ref.append([e], [o], [a], [r], [x]),  # noqa: B023
-            )
-
-    def append_batch(self, picks: list[int]) -> None:
-        running = self.running()
-        ids = sorted({running[p % len(running)] for p in picks}) if running else []
-        if ids:
-            steps = [step(e, self.ref.episodes[e].steps) for e in ids]
-            self.both(
-                lambda: self.buf.append_batch(ids, *batch_of(steps)),
-                lambda: self.ref.append(ids, *(list(col) for col in zip(*steps, strict=True))),
-            )
-
-    def end(self, pick: int, status: str) -> None:
-        running = self.running()
-        if running:
-            e = running[pick % len(running)]
-            final = final_obs(e, self.ref.episodes[e].steps)
-            self.both(
-                lambda: self.buf.end_episode(e, status, final_observation=final),
-                lambda: self.ref.end(e, status, final),
-            )
-
-    def sample_all(self, n: int, gamma: float) -> None:
-        if not self.ref.valid_steps:
-            with pytest.raises(EmptyBufferError):
-                self.buf.sample_n_step(1, n, gamma)
-            return
-        batch = self.buf.sample_n_step(len(self.buf) + 3, n, gamma, replace=False)
-        assert sorted(pairs_of(batch)) == sorted(self.ref.valid_pairs())
-        assert batch["observation"].shape[1:] == (self.buf.frame_stack, 3)
-        assert_nstep_batch(batch, self.ref, n, gamma)
-        self.seen(batch)
-
-    def sample(self, n, gamma: float) -> None:
-        if self.ref.valid_steps:
-            batch = self.buf.sample_n_step(16, n, gamma)
-            assert_nstep_batch(batch, self.ref, n, gamma)
-            self.seen(batch)
-
-    def sequences(self, length: int, strict: bool) -> None:
-        if not self.ref.valid_steps:
-            return
-        if strict and not self.ref.sequence_starts(length):
-            with pytest.raises(EmptyBufferError, match="consecutive steps"):
-                self.buf.sample_sequences(4, length, strict=True)
-            return
-        batch = self.buf.sample_sequences(6, length, strict=strict)
-        assert batch["observation"].shape == (6, length, self.buf.frame_stack, 3)
-        assert_sequence_batch(batch, self.ref, length)
-
-    def episode(self, pick: int) -> None:
-        if not self.ref.next_id:
-            return
-        e = pick % self.ref.next_id
-        if e in self.ref.episodes:
-            assert_episode_record(self.buf.get_episode(e), self.ref, e)
-        else:
-            with pytest.raises(EpisodeStateError, match="evicted"):
-                self.buf.get_episode(e)
-
-    def sample_episodes(self, k: int) -> None:
-        if self.ref.episodes:
-            for record in self.buf.sample_episodes(k):
-                assert_episode_record(record, self.ref, int(record["episode_id"]))
-
-    def epochs(self, batch_size: int, n: int) -> None:
-        valid = self.ref.valid_pairs()
-        if valid:
-            batches = list(self.buf.iterate_epochs(batch_size, 1, n=n, gamma=0.9))
-            assert sorted(p for b in batches for p in pairs_of(b)) == sorted(valid)
-            for b in batches:
-                assert_nstep_batch(b, self.ref, n, 0.9)
-
-    def seen(self, batch) -> None:
-        self.ends_sampled |= bool((batch["terminal"] | batch["truncated"]).any())
-
-    def check(self) -> None:
-        assert_counts_agree(self.buf, self.ref)
-
-
 picks = st.integers(0, 30)
 operations = st.one_of(
     st.tuples(st.just("start"), st.sampled_from(["a", "b"])),
@@ -301,7 +169,11 @@ def test_random_programs_agree_with_the_stacking_reference(
     program.sequences(3, False)
     for e in range(program.ref.next_id):
         program.episode(e)
-    event(f"evicted: {min(program.buf.stats()['evicted_episodes'], 2)}")
+    stats = program.buf.stats()
+    assert stats["frame_stack"] == k
+    assert stats["steps"] <= max_steps  # storage never holds more than it may
+    assert max_episodes is None or stats["episodes"] <= max_episodes
+    event(f"evicted: {min(stats['evicted_episodes'], 2)}")
     event(f"episode end sampled: {program.ends_sampled}")
     program.buf.close()
 
