@@ -137,6 +137,7 @@ class SlotStorage:
         self._leaves: list[tuple[Key, torch.Tensor]] = []
         self._flat_names: list[str] | None = None
         self._index_column: torch.Tensor | None = None
+        self._direct = False  # set after the first write (see _after_first_write)
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
@@ -163,6 +164,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
+        self._direct = False
         self.memory = None  # type: ignore[assignment]
         self._stager.clear()
         if self._scratch is not None:
@@ -197,16 +199,7 @@ class SlotStorage:
     def extend(self, td: TensorDictBase) -> None:
         """Append rows round-robin at TorchRL's writer cursor (ring semantics); at most
         ``capacity`` rows."""
-        writer = self.memory.writer
-        if (
-            not self._leaves
-            or not self._direct_writes()
-            or writer.state_dict().keys()
-            != {
-                "_cursor",
-                "_write_count",
-            }
-        ):
+        if not self._direct:
             first = not self._leaves
             self.memory.extend(td.to(self.storing_device))
             if first:
@@ -215,23 +208,20 @@ class SlotStorage:
         # TorchRL's TensorDictRoundRobinWriter.extend is: slots from its cursor, cursor and
         # write count advanced, an "index" column holding each row's slot, then storage.set
         # (~200 µs of TensorDict setitem per call). The same state through its public
-        # state_dict / load_state_dict, the rows through write_rows' direct copies.
+        # state_dict / load_state_dict; the rows as slice copies (one run, or two where the
+        # ring wraps) into the very tensors TorchRL holds.
+        writer = self.memory.writer
         state = writer.state_dict()
         rows, cursor = td.shape[0], state["_cursor"]
         slots = torch.arange(cursor, cursor + rows, device=self.storing_device) % self.capacity
-        storage = self.memory.storage
-        storage._set_last_cursor(slots)
-        storage._get_new_len(slots, slots)
-        # The slots are one run, or two where the ring wraps: slice copies, not a scatter.
         head = min(rows, self.capacity - cursor)
-        for key, column in self._leaves:
-            value = td.get(key).to(self.storing_device)
+        columns = [(column, td.get(key).to(self.storing_device)) for key, column in self._leaves]
+        if self._index_column is not None:
+            columns.append((self._index_column, slots))
+        for column, value in columns:
             column[cursor : cursor + head].copy_(value[:head])
             column[: rows - head].copy_(value[head:])
-        if self._index_column is not None:
-            self._index_column[cursor : cursor + head].copy_(slots[:head])
-            self._index_column[: rows - head].copy_(slots[head:])
-        storage._bump_mutation_revision()
+        self._record_write(slots)
         writer.load_state_dict(
             {
                 "_cursor": (cursor + rows) % self.capacity,
@@ -241,35 +231,34 @@ class SlotStorage:
 
     def write(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         """Write rows at explicit slots, leaving TorchRL's ring cursor alone."""
-        keys = [k for k, _ in self._leaves] if self._leaves else None
-        if keys is None or not self._direct_writes():
+        if not self._direct:
             self._write_through_torchrl(slots, td)
-        else:
-            self.write_rows(slots, keys, [td.get(k) for k in keys])
+            return
+        keys = [k for k, _ in self._leaves]
+        self.write_rows(slots, keys, [td.get(k) for k in keys])
 
     def write_rows(self, slots: torch.Tensor, keys: list[Key], values: list[torch.Tensor]) -> None:
         """:meth:`write` from flat keys and ``[rows, ...]`` values (every stored key)."""
-        if not self._leaves or not self._direct_writes():
+        if not self._direct:
             rows = slots.shape[0]
             self._write_through_torchrl(slots, build_tensordict(keys, values, rows, _CPU))
             return
-        # TorchRL's TensorStorage.set is its bookkeeping (length, last cursor, the revision
-        # that invalidates samplers' caches) plus ``self._storage[cursor] = data``, a TensorDict
-        # advanced-index assignment that costs ~200 µs even for one row, paid by every read
-        # that follows an append. Same bookkeeping through TorchRL's own methods, then one
-        # index_copy_ per column into the very tensors TorchRL holds.
+        # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
+        # a TensorDict advanced-index assignment that costs ~200 µs even for one row, paid by
+        # every read that follows an append: one index_copy_ per column instead.
         slots = slots.to(self.storing_device)
-        storage = self.memory.storage
-        storage._set_last_cursor(slots)
-        storage._get_new_len(values[0], slots)
         by_key = dict(zip(keys, values, strict=True))
         for key, column in self._leaves:
             column.index_copy_(0, slots, by_key[key].to(self.storing_device))
-        storage._bump_mutation_revision()
+        self._record_write(slots)
 
-    def _direct_writes(self) -> bool:
-        """Whether this TorchRL has the bookkeeping methods :meth:`write_rows` repeats."""
-        return all(hasattr(self.memory.storage, name) for name in _SET_BOOKKEEPING)
+    def _record_write(self, slots: torch.Tensor) -> None:
+        """What TorchRL's TensorStorage.set records besides the copy, through its own methods:
+        the last cursor, the length, and the revision that invalidates samplers' caches."""
+        storage = self.memory.storage
+        storage._set_last_cursor(slots)
+        storage._get_new_len(slots, slots)  # counts rows: the slots have one per row
+        storage._bump_mutation_revision()
 
     def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         first = not self._leaves
@@ -289,6 +278,11 @@ class SlotStorage:
         self._columns = dict(leaves)
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
+        # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this
+        # TorchRL has them and its writer keeps no more state than a cursor and a count.
+        self._direct = all(
+            hasattr(self.memory.storage, name) for name in _SET_BOOKKEEPING
+        ) and self.memory.writer.state_dict().keys() == {"_cursor", "_write_count"}
         # Names of a spec without nested fields: batches then skip nest() and the recursion.
         self._flat_names = (
             [k[0] for k, _ in leaves] if all(len(k) == 1 for k, _ in leaves) else None
