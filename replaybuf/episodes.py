@@ -419,15 +419,7 @@ class EpisodeCore:
             return False
         if self.steps >= self.max_steps or not self.free or self.max_episodes:
             self.make_room(1, 1, 0, {episode.episode_id})  # returns at once when all fits
-        # _assign_rows for one episode, inlined: this is the hot path of per-step collectors.
-        row, rows = self.free.pop(), episode.rows
-        self._staged_meta.append((row, episode.episode_id, len(rows), END_NONE, self.allocations))
-        self.allocations += 1
-        if rows:
-            self._staged_links.append((rows[-1], row))
-            self.valid_steps += 1
-        rows.append(row)
-        self.steps += 1
+        (row,) = self._assign_rows([episode])
         if not stager.fits(1):
             self._write_staged()
         stager.stage_one(row, values)
