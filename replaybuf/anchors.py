@@ -58,7 +58,7 @@ class AnchorSet:
         picks = torch.randint(
             0, self.count, (batch_size,), generator=generator, device=self.rows.device
         )
-        return self.rows[picks]
+        return self.rows.index_select(0, picks)
 
     def sample_distinct(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """Up to ``batch_size`` distinct rows, uniformly without replacement."""

@@ -366,7 +366,7 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
         )
     for name in LINKS:
         getattr(core.links, name).copy_(s[f"links/{name}"].to(device))
-    core.links.relink_backward()
+    core.links.relink()
     core.anchors.add(s["index/anchors"].to(device))
     core.allocations = meta["allocations"]
     if core.priorities is not None and PRIORITY in s:

@@ -26,7 +26,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -106,11 +106,23 @@ class RowsPinned(ReplayBufError, RuntimeError):
     """No free row while a checkpoint snapshot pins evicted rows; retry after it finishes."""
 
 
+class HostLinks(NamedTuple):
+    """numpy views of :class:`RowLinks` columns on the CPU (``RowLinks.host``)."""
+
+    succ: np.ndarray
+    end_kind: np.ndarray
+    step: np.ndarray
+    episode: np.ndarray
+
+
 class RowLinks:
     """Per-row bookkeeping on the storing device: links, owners, steps and end kinds."""
 
     def __init__(self, capacity: int, device: torch.device, backward: bool = False) -> None:
         self.next_row = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        # next_row with a self-loop where it is -1, so that following links is one gather per
+        # step with no mask (see index.nstep_windows). Derived: every write to next_row sets it.
+        self.succ = torch.arange(capacity, dtype=torch.long, device=device)
         self.episode = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.step = torch.zeros(capacity, dtype=torch.long, device=device)
         self.end_kind = torch.zeros(capacity, dtype=torch.int8, device=device)
@@ -121,13 +133,29 @@ class RowLinks:
         self.prev_row: torch.Tensor | None = (
             torch.full((capacity,), -1, dtype=torch.long, device=device) if backward else None
         )
+        # numpy views of the columns the n-step sampler reads, for CPU storage (None on CUDA):
+        # they share memory with the tensors, which are only ever written in place.
+        self.host: HostLinks | None = None
+        if device.type == "cpu":
+            arrays = (self.succ, self.end_kind, self.step, self.episode)
+            self.host = HostLinks(*(t.numpy() for t in arrays))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
+        )
 
-    def relink_backward(self) -> None:
-        """Recompute ``prev_row`` from ``next_row`` (after a checkpoint restored the links)."""
+    def link(self, rows: torch.Tensor, next_rows: torch.Tensor) -> None:
+        """Set ``next_row[rows] = next_rows`` (-1: no successor) and keep ``succ`` in step."""
+        self.next_row[rows] = next_rows
+        self.succ[rows] = torch.where(next_rows >= 0, next_rows, rows)
+
+    def relink(self) -> None:
+        """Recompute ``succ`` and ``prev_row`` from ``next_row`` (after a checkpoint restored
+        the links)."""
+        rows = torch.arange(self.next_row.shape[0], device=self.next_row.device)
+        self.succ.copy_(torch.where(self.next_row >= 0, self.next_row, rows))
         if self.prev_row is None:
             return
         self.prev_row.fill_(-1)
@@ -135,9 +163,9 @@ class RowLinks:
         self.prev_row[self.next_row[linked]] = linked
 
 
-# Bookkeeping bytes per row: next_row, episode, step, alloc (int64), end_kind (int8), the
+# Bookkeeping bytes per row: next_row, succ, episode, step, alloc (int64), end_kind (int8), the
 # anchor set's two int64 columns and the free list's int64 entry; prev_row adds 8.
-_BOOKKEEPING_ROW_BYTES = 8 * 4 + 1 + 16 + 8
+_BOOKKEEPING_ROW_BYTES = 8 * 5 + 1 + 16 + 8
 
 
 def check_bookkeeping_space(capacity: int, device: torch.device, backward: bool) -> None:
@@ -365,7 +393,7 @@ class EpisodeCore:
         if rows:
             rows_t = torch.tensor(rows, dtype=torch.long, device=self.slots.storing_device)
             self.anchors.remove(rows_t[self.anchors.contains(rows_t)])
-            self.links.next_row[rows_t] = -1
+            self.links.link(rows_t, torch.full_like(rows_t, -1))
             self.links.episode[rows_t] = -1
             self.links.end_kind[rows_t] = END_NONE
             if self.links.prev_row is not None:
@@ -532,7 +560,7 @@ class EpisodeCore:
             return
         device = self.slots.storing_device
         meta = torch.tensor(self._staged_meta, dtype=torch.long, device=device)
-        self.links.next_row[meta[:, 0]] = -1
+        self.links.link(meta[:, 0], torch.full_like(meta[:, 0], -1))
         self.links.episode[meta[:, 0]] = meta[:, 1]
         self.links.step[meta[:, 0]] = meta[:, 2]
         self.links.end_kind[meta[:, 0]] = meta[:, 3].to(torch.int8)
@@ -542,7 +570,7 @@ class EpisodeCore:
             prev_row[meta[:, 0]] = -1
         if self._staged_links:
             links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
-            self.links.next_row[links[:, 0]] = links[:, 1]
+            self.links.link(links[:, 0], links[:, 1])
             if prev_row is not None:
                 prev_row[links[:, 1]] = links[:, 0]
             self.anchors.add(links[:, 0])

@@ -1,8 +1,9 @@
-"""Pure index math over linked episode rows: n-step windows and sequences. Imports torch only.
+"""Pure index math over linked episode rows: n-step windows and sequences.
 
 Every stored row holds one observation of one episode. Row ``r`` of step t links to the row of
 step t+1 of the same episode through ``next_row[r]`` (-1 while that observation does not exist
-yet), so episodes may interleave freely in storage. An episode of T steps occupies T+1 rows, the
+yet; ``succ[r]`` is the same link with ``r`` itself in place of -1), so episodes may interleave
+freely in storage. An episode of T steps occupies T+1 rows, the
 last one its final observation, which is never a sampling anchor::
 
     rows:      obs_0 ──▶ obs_1 ──▶ ... ──▶ obs_{T-1} ──▶ obs_T (final, end_kind 1 or 2)
@@ -18,13 +19,22 @@ With frame stacking, ``prev_row`` is the reverse link (-1 at an episode's first 
 stack of a row is the k rows ending at it, oldest first, clamped at the first row::
 
     k = 4, step 1:   [obs_0, obs_0, obs_0, obs_1]   (real: F F T T)
+
+:func:`nstep_windows` runs on torch tensors (any device) or on numpy arrays: for CPU storage
+the sampler hands it numpy views of the same columns, because at batch sizes of a few hundred
+a torch call costs 2-7 µs of dispatch against under 1 µs for numpy, and a window is a dozen
+such calls (see ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+import numpy as np
 import torch
+
+Array = TypeVar("Array", torch.Tensor, np.ndarray)
+AnyArray = torch.Tensor | np.ndarray
 
 END_NONE = 0  # not a final observation
 END_TERMINATED = 1  # final observation of a terminated episode: no bootstrap
@@ -32,65 +42,65 @@ END_TRUNCATED = 2  # final observation of a truncated episode: bootstrap from it
 
 
 class Windows(NamedTuple):
-    """n-step windows for a batch of anchors; shapes in comments."""
+    """n-step windows for a batch of anchors (all torch or all numpy); shapes in comments.
 
-    rows: torch.Tensor  # [B, n_max] row of step t+k (the start row where k >= m)
-    valid: torch.Tensor  # [B, n_max] bool, k < m
-    m: torch.Tensor  # [B] steps in the window (actual_n)
-    last_row: torch.Tensor  # [B] row of obs_{t+m}
-    terminal: torch.Tensor  # [B] obs_{t+m} is a terminated episode's final observation
-    truncated: torch.Tensor  # [B] obs_{t+m} is a truncated episode's final observation
-    cut: torch.Tensor  # [B] m < n because the episode has no newer observation yet
+    Time-major (step k first): every slice ``rows[k]`` is contiguous, so the reward gather
+    needs no copy and the per-step reductions run over whole rows.
+    """
+
+    rows: AnyArray  # [n_max + 1, B] rows of obs_t, obs_{t+1}, ... of the episode, repeating
+    #                its last observation row (past a per-sample n they run on, masked by valid)
+    valid: AnyArray  # [n_max, B] bool, k < m: step t+k belongs to the window
+    m: AnyArray  # [B] steps in the window (actual_n)
+    last_row: AnyArray  # [B] row of obs_{t+m}
+    terminal: AnyArray  # [B] obs_{t+m} is a terminated episode's final observation
+    truncated: AnyArray  # [B] obs_{t+m} is a truncated episode's final observation
+    cut: AnyArray  # [B] m < n because the episode has no newer observation yet
+
+
+def gather(column: Array, rows: Array) -> Array:
+    """``column[rows]`` of a 1-D column: numpy indexing, or torch's ``index_select`` (its
+    fastest gather; ``tensor[rows]`` takes the slower advanced-indexing path)."""
+    if isinstance(column, np.ndarray):
+        return column[rows]
+    return column.index_select(0, rows)
 
 
 def nstep_windows(
-    start: torch.Tensor,
-    n: torch.Tensor | int,
-    n_max: int,
-    next_row: torch.Tensor,
-    end_kind: torch.Tensor,
+    start: Array, n: Array | int, n_max: int, succ: Array, end_kind: Array
 ) -> Windows:
-    """Follow links from each anchor in ``start`` for up to ``n`` steps (per sample if a tensor).
+    """Follow links from each anchor in ``start`` for up to ``n`` steps (per sample if an array).
 
-    ``next_row`` / ``end_kind`` are per-row ``[R]`` tensors on one device. A row is an anchor
-    exactly when it has a successor (``next_row >= 0``), so each step costs one gather: the
-    whole call is O(B · n_max), independent of how many rows or episodes are stored.
+    ``succ`` / ``end_kind`` are per-row ``[R]`` columns; ``succ[r]`` is ``next_row[r]``, or
+    ``r`` itself where the row has no successor. That self-loop makes the walk one gather per
+    step with no masking: once it reaches an episode's final (or newest) observation it stays
+    there, and step t+k is in the window exactly when its observation row differs from the
+    next one. O(B · n_max), independent of how many rows are stored.
     """
-    per_sample = isinstance(n, torch.Tensor)
-    if n_max == 1:  # one step: every anchor has its next row; 4 kernels instead of ~12
-        last = next_row.index_select(0, start)  # [B]
-        kind = end_kind.index_select(0, last)
-        return Windows(
-            rows=start.unsqueeze(1),
-            valid=torch.ones((start.shape[0], 1), dtype=torch.bool, device=start.device),
-            m=torch.ones_like(start),
-            last_row=last,
-            terminal=kind == END_TERMINATED,
-            truncated=kind == END_TRUNCATED,
-            cut=torch.zeros_like(start, dtype=torch.bool),
-        )
-    cur = start  # row of obs_{t+k} while the window is still growing
-    active = torch.ones_like(start, dtype=torch.bool)
-    held, taken = [start], [active]
-    for k in range(n_max):
-        nxt = next_row.index_select(0, cur)
-        if k > 0:
-            # Step t+k belongs to the window when t+k-1 did, k < n, and obs_{t+k} has a successor.
-            active = active & (nxt >= 0)
-            if per_sample:
-                active = active & (k < n)
-            held.append(cur)
-            taken.append(active)
-        cur = torch.where(active, nxt, cur)
-    valid = torch.stack(taken, 1)  # [B, n_max]
-    rows = torch.where(valid, torch.stack(held, 1), start.unsqueeze(1))  # [B, n_max]
-    m = valid.sum(1)
-    kind = end_kind.index_select(0, cur)
+    host = isinstance(start, np.ndarray)
+    chain = [start]
+    for _ in range(n_max):
+        chain.append(gather(succ, chain[-1]))
+    rows = np.stack(chain) if host else torch.stack(chain)  # [n_max + 1, B]
+    if n_max == 1:  # every anchor has a next row: all valid, m = 1 (three calls fewer)
+        valid, m, last = rows[:1] >= 0, (np if host else torch).ones_like(start), chain[-1]
+    elif isinstance(n, int):
+        valid = rows[1:] != rows[:-1]
+        m, last = valid.sum(0), chain[-1]
+    else:  # per-sample n: also stop after n steps
+        steps = np.arange(n_max) if host else torch.arange(n_max, device=start.device)
+        valid = (rows[1:] != rows[:-1]) & (steps[:, None] < n)
+        m = valid.sum(0)
+        if host:
+            last = rows[m, np.arange(rows.shape[1])]
+        else:
+            last = rows.gather(0, m.unsqueeze(0)).squeeze(0)
+    kind = gather(end_kind, last)
     return Windows(
         rows=rows,
         valid=valid,
         m=m,
-        last_row=cur,
+        last_row=last,
         terminal=kind == END_TERMINATED,
         truncated=kind == END_TRUNCATED,
         cut=(m < n) & (kind == END_NONE),

@@ -1,4 +1,4 @@
-"""Pure n-step return math: discounted sums and bootstrap discounts. Imports torch only.
+"""Pure n-step return math: discounted sums and bootstrap discounts (torch or numpy).
 
 For a window of m rewards starting at step t::
 
@@ -11,9 +11,15 @@ bootstraps from its final observation; only termination zeroes the discount.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
+
+Array = TypeVar("Array", torch.Tensor, np.ndarray)
+_CPU = torch.device("cpu")
 
 
 def compute_discounted_return(
@@ -54,12 +60,27 @@ def discount_powers(gamma: float, n: int, device: torch.device) -> torch.Tensor:
 _POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
 
 
-def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Discounted sum over the valid prefix of each window.
+def _host_powers(gamma: float, n: int) -> np.ndarray:
+    """:func:`discount_powers` on the CPU as a numpy array (a view, cached beside it)."""
+    key = (float(gamma), int(n))
+    powers = _HOST_POWERS.get(key)
+    if powers is None:
+        if len(_HOST_POWERS) > 64:
+            _HOST_POWERS.clear()
+        powers = _HOST_POWERS[key] = discount_powers(gamma, n, _CPU).numpy()
+    return powers
+
+
+_HOST_POWERS: dict[tuple[float, int], np.ndarray] = {}
+
+
+def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
+    """Discounted sum over the valid prefix of each window (time-major, as ``index.Windows``).
 
     Args:
-        rewards: ``[B, n, *reward_shape]`` rewards of steps t..t+n-1 (invalid ones arbitrary).
-        valid: ``[B, n]`` bool, True for the m steps that belong to the window.
+        rewards: ``[n, B, *reward_shape]`` rewards of steps t..t+n-1 (invalid ones arbitrary);
+            a tensor, or a float32 / float64 ``[n, B]`` numpy array (the host index path).
+        valid: ``[n, B]`` bool, True for the m steps that belong to the window.
         gamma: the discount.
 
     Returns:
@@ -67,27 +88,38 @@ def window_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float) -> t
         Float64 rewards are summed in float64; others in float32 (n terms, so the rounding
         stays within float32's own precision).
     """
-    n = rewards.shape[1]
+    n = rewards.shape[0]
+    # Rows outside the window may hold anything (even NaN): select, never multiply by 0.
+    if isinstance(rewards, np.ndarray):
+        if rewards.dtype == np.float64:
+            powers = gamma ** np.arange(n, dtype=np.float64)
+        else:
+            powers = _host_powers(gamma, n)[:n]
+        return powers @ np.where(valid, rewards, rewards.dtype.type(0))
     dtype = return_dtype(rewards.dtype)
+    if dtype == torch.float32 and rewards.dim() == 2 and rewards.device.type == "cpu":
+        # The common case as one vector-matrix product (CPU only: CUDA may run float32
+        # matmuls in TF32).
+        powers = discount_powers(gamma, n, rewards.device)[:n]
+        return powers.matmul(torch.where(valid, rewards, 0.0).to(dtype))
     powers = discount_powers(gamma, n, rewards.device)[:n]  # [n]
     if dtype == torch.float64:
         powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)
     extra = [1] * (rewards.dim() - 2)
-    keep = valid.reshape(*valid.shape, *extra)  # [B, n, 1...]
-    # Rows outside the window may hold anything (even NaN): select, never multiply by 0.
-    terms = torch.where(keep, rewards.to(dtype) * powers.to(dtype).reshape(n, *extra), 0.0)
-    return terms.sum(1)
+    keep = valid.reshape(*valid.shape, *extra)  # [n, B, 1...]
+    weights = powers.to(dtype).reshape(n, 1, *extra)
+    return torch.where(keep, rewards.to(dtype) * weights, 0.0).sum(0)
 
 
-def bootstrap_discount(
-    m: torch.Tensor, terminal: torch.Tensor, gamma: float, n_max: int | None = None
-) -> torch.Tensor:
+def bootstrap_discount(m: Array, terminal: Array, gamma: float, n_max: int | None = None) -> Array:
     """``γ^m`` per window (float32), 0 where it ends on a terminated episode's final observation.
 
-    γ^m is read from a cached table of powers (one gather, no pow). Pass ``n_max >= m.max()``
-    when known, to avoid reading ``m`` back (a device synchronisation on CUDA).
+    γ^m is read from a cached table of powers (one gather, no pow); tensors or numpy arrays.
+    Pass ``n_max >= m.max()`` when known, to avoid reading ``m`` back (a device
+    synchronisation on CUDA).
     """
-    top = int(m.max()) if n_max is None and m.numel() else (n_max or 0)
+    top = int(m.max()) if n_max is None and math.prod(m.shape) else (n_max or 0)
+    if isinstance(m, np.ndarray):
+        return _host_powers(gamma, top)[m] * ~terminal
     powers = discount_powers(gamma, top, m.device)
-    discount = powers.index_select(0, m.reshape(-1)).reshape(m.shape)
-    return torch.where(terminal, 0.0, discount)
+    return powers.index_select(0, m.reshape(-1)).reshape(m.shape) * ~terminal

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -104,7 +105,6 @@ def nstep_batch(
 
     One gather per field (observations at both window ends together), one TensorDict built.
     """
-    links, slots = core.links, core.slots
     batch = start.shape[0]
     if isinstance(n, tuple):
         low, high = n
@@ -114,35 +114,60 @@ def nstep_batch(
         n_max = high
     else:
         n_each = n_max = n
-    w = nstep_windows(start, n_each, n_max, links.next_row, links.end_kind)
+    ends, info = _window_values(core, start, n_each, n_max, gamma)
     keys: list[Key] = []
     values: list[torch.Tensor] = []
-    obs_keys = _keys(core, "observation")
-    for key, both in zip(
-        obs_keys, _observations(core, torch.cat([start, w.last_row])), strict=True
-    ):
+    for key, both in zip(_keys(core, "observation"), _observations(core, ends), strict=True):
         keys += [key, ("next_observation", *key[1:])]
         values += [both[:batch], both[batch:]]
     step_keys = _keys(core, "action", "extras")
-    for key, value in zip(step_keys, slots.take(start, step_keys), strict=True):
+    for key, value in zip(step_keys, core.slots.take(start, step_keys), strict=True):
         keys.append(key[1:] if key[0] == "extras" else key)  # extras come back top-level
         values.append(value)
-    reward_column = slots.column(("reward",))
-    rewards = reward_column.index_select(0, w.rows.reshape(-1))
-    rewards = rewards.reshape(batch, n_max, *reward_column.shape[1:])  # [B, n, *reward]
     keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
-    values += [
-        window_return(rewards, w.valid, gamma),
-        w.terminal,
-        w.truncated,
-        w.cut,
-        bootstrap_discount(w.m, w.terminal, gamma, n_max),
-    ]
     keys += [("actual_n",), ("start_step",), ("episode_id",)]
-    values += [w.m, links.step.index_select(0, start), links.episode.index_select(0, start)]
+    values += info
     if device != start.device:
         values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
     return build_tensordict(keys, values, batch, device)
+
+
+def _window_values(
+    core: EpisodeCore, start: torch.Tensor, n_each: torch.Tensor | int, n_max: int, gamma: float
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends) and
+    its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``.
+
+    With CPU storage the index math runs in numpy on views of the same columns (see
+    :mod:`replaybuf.index`); CUDA storage runs it in torch, with no host synchronisation.
+    """
+    links, host = core.links, core.links.host
+    reward_column = core.slots.column(("reward",))
+    if host is None:
+        w = nstep_windows(start, n_each, n_max, links.succ, links.end_kind)
+        step, episode = links.step.index_select(0, start), links.episode.index_select(0, start)
+        ends = torch.cat([start, w.last_row])
+    else:
+        at = start.numpy()
+        each = n_each if isinstance(n_each, int) else n_each.numpy()
+        w = nstep_windows(at, each, n_max, host.succ, host.end_kind)
+        step, episode = host.step[at], host.episode[at]
+        ends = torch.from_numpy(np.concatenate([at, w.last_row]))
+    if host is not None and reward_column.dim() == 1 and reward_column.dtype in _HOST_REWARD:
+        reward = window_return(reward_column.numpy()[w.rows[:n_max]], w.valid, gamma)
+    else:  # one gather of the rows of steps t..t+n-1 ([n, B]: contiguous, no copy)
+        rows = torch.as_tensor(w.rows[:n_max])
+        rewards = reward_column.index_select(0, rows.reshape(-1))
+        rewards = rewards.reshape(n_max, *rows.shape[1:], *reward_column.shape[1:])
+        reward = window_return(rewards, torch.as_tensor(w.valid), gamma)
+    discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)
+    info = [reward, w.terminal, w.truncated, w.cut, discount, w.m, step, episode]
+    return ends, [v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for v in info]
+
+
+# Reward dtypes whose window sums run in numpy on the host path (numpy has no bfloat16, and
+# integer rewards sum into the default float dtype, as the torch path does).
+_HOST_REWARD = (torch.float32, torch.float64)
 
 
 def sequence_batch(

@@ -70,9 +70,15 @@ operations = st.one_of(
     max_episodes=st.one_of(st.none(), st.integers(1, 4)),
     storage=st.sampled_from(["tensor", "tensor", "memmap"]),
     ops=st.lists(operations, min_size=8, max_size=40),
+    torch_index=st.booleans(),
 )
-def test_random_interleavings_agree_with_the_reference(make, max_steps, max_episodes, storage, ops):
-    program = Program(make(max_steps, max_episodes, storage=storage))
+def test_random_interleavings_agree_with_the_reference(
+    make, max_steps, max_episodes, storage, ops, torch_index
+):
+    buf = make(max_steps, max_episodes, storage=storage)
+    if torch_index:  # the index math CUDA storage runs (torch), here on the CPU
+        buf._core.links.host = None
+    program = Program(buf)
     program.check()
     for name, *args in ops:
         getattr(program, name)(*args)
@@ -298,15 +304,31 @@ def test_grad_requiring_expanded_and_strided_inputs_are_stored_detached(make):
     assert not batch["reward"].requires_grad
 
 
-def test_integer_rewards_give_float_discounted_returns(make):
+@pytest.mark.parametrize("torch_index", [False, True], ids=["numpy-index", "torch-index"])
+@pytest.mark.parametrize(
+    ("reward", "dtype"),
+    [
+        (1, torch.float32),  # integer rewards sum into the default float dtype
+        (torch.tensor(1.0, dtype=torch.float64), torch.float64),
+        (torch.tensor(1.0, dtype=torch.float16), torch.float16),
+        (torch.tensor([1.0, 2.0]), torch.float32),  # a vector reward per step
+    ],
+    ids=["int", "float64", "float16", "vector"],
+)
+def test_discounted_returns_of_every_reward_dtype(make, reward, dtype, torch_index):
     buf = make(8)
+    if torch_index:  # the index math CUDA storage runs (torch), here on the CPU
+        buf._core.links.host = None
     e = buf.start_episode()
     for t in range(3):
-        buf.append_observation_action_reward(e, float(t), 0, 1)
+        buf.append_observation_action_reward(e, float(t), 0, reward)
     buf.end_episode(e, "terminated", final_observation=3.0)
     batch = buf.sample_n_step(3, n=3, gamma=0.5, replace=False)
-    by_step = dict(zip(batch["start_step"].tolist(), batch["reward"].tolist(), strict=True))
-    assert by_step == {0: 1.75, 1: 1.5, 2: 1.0}
+    assert batch["reward"].dtype == dtype
+    scale = torch.as_tensor(reward, dtype=torch.float64)
+    for start, value in zip(batch["start_step"].tolist(), batch["reward"], strict=True):
+        want = {0: 1.75, 1: 1.5, 2: 1.0}[start] * scale
+        assert torch.equal(value.to(torch.float64), want)
 
 
 def test_appended_arrays_are_copied_so_callers_may_reuse_them(make):

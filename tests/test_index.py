@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from replaybuf.index import (
     END_NONE,
     END_TERMINATED,
     END_TRUNCATED,
+    Windows,
     full_sequence_starts,
     nstep_windows,
     sequence_rows,
@@ -39,26 +41,48 @@ def link(episodes: list[tuple[list[int], int]], rows: int):
     return next_row, end_kind
 
 
-def windows(episodes, rows, start, n, n_max=None):
+def successors(next_row: torch.Tensor) -> torch.Tensor:
+    """``succ``: next_row with each row itself where it has no successor (RowLinks.succ)."""
+    return torch.where(next_row >= 0, next_row, torch.arange(next_row.shape[0]))
+
+
+BACKENDS = ["torch", "numpy"]
+
+
+def windows(episodes, rows, start, n, n_max=None, backend="torch"):
+    """nstep_windows on torch tensors or numpy arrays, returned as batch-major tensors
+    (``rows [B, n_max + 1]``, ``valid [B, n_max]``) so that each case reads one sample a row."""
     next_row, end_kind = link(episodes, rows)
+    succ = successors(next_row)
     start = torch.tensor(start, dtype=torch.long)
     if n_max is None:
         n_max = n if isinstance(n, int) else max(n)
     if not isinstance(n, int):
         n = torch.tensor(n)
-    return nstep_windows(start, n, n_max, next_row, end_kind)
+    if backend == "numpy":
+        n = n if isinstance(n, int) else n.numpy()
+        w = nstep_windows(start.numpy(), n, n_max, succ.numpy(), end_kind.numpy())
+        assert all(isinstance(v, np.ndarray) for v in w)
+        w = Windows(*(torch.from_numpy(np.ascontiguousarray(v)) for v in w))
+    else:
+        w = nstep_windows(start, n, n_max, succ, end_kind)
+        assert all(isinstance(v, torch.Tensor) for v in w)
+    assert w.rows.shape == (n_max + 1, start.shape[0])  # time-major
+    assert w.valid.shape == (n_max, start.shape[0])
+    return w._replace(rows=w.rows.T, valid=w.valid.T)
 
 
 # --------------------------------------------------------------------------- table cases
-def test_window_stops_at_terminated_final_observation():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_stops_at_terminated_final_observation(backend):
     # terminated, 3 steps, n = 5:
     #   row:   0      1      2      3
     #         obs_0 ▶ obs_1 ▶ obs_2 ▶ obs_3 (final, terminated)
     #   from t=0: m = 3, next obs = row 3, terminal, not cut
-    w = windows([([0, 1, 2, 3], END_TERMINATED)], 4, [0], 5)
+    w = windows([([0, 1, 2, 3], END_TERMINATED)], 4, [0], 5, backend=backend)
     assert w.m.tolist() == [3]
     assert w.valid.tolist() == [[True, True, True, False, False]]
-    assert w.rows.tolist() == [[0, 1, 2, 0, 0]]  # past m: the start row
+    assert w.rows.tolist() == [[0, 1, 2, 3, 3, 3]]  # past m: the row of obs_{t+m}
     assert w.last_row.tolist() == [3]
     assert w.terminal.tolist() == [True]
     assert w.truncated.tolist() == [False]
@@ -97,20 +121,22 @@ def test_full_window_ending_exactly_on_terminated_final_is_terminal():
     assert w.cut.tolist() == [False]
 
 
-def test_window_follows_links_through_interleaved_rows_and_never_crosses_episodes():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_follows_links_through_interleaved_rows_and_never_crosses_episodes(backend):
     # episode A rows 0, 2, 4 (4 = final, terminated); episode B rows 1, 3, 5 (in progress)
     #   storage: A0 B0 A1 B1 A_final B2
     episodes = [([0, 2, 4], END_TERMINATED), ([1, 3, 5], END_NONE)]
-    w = windows(episodes, 6, [0, 2, 1, 3], 3)
+    w = windows(episodes, 6, [0, 2, 1, 3], 3, backend=backend)
     assert w.m.tolist() == [2, 1, 2, 1]
-    assert w.rows.tolist() == [[0, 2, 0], [2, 2, 2], [1, 3, 1], [3, 3, 3]]
+    assert w.rows.tolist() == [[0, 2, 4, 4], [2, 4, 4, 4], [1, 3, 5, 5], [3, 5, 5, 5]]
     assert w.last_row.tolist() == [4, 4, 5, 5]
     assert w.terminal.tolist() == [True, True, False, False]
     assert w.cut.tolist() == [False, False, True, True]
 
 
-def test_each_sample_uses_its_own_n():
-    w = windows([([0, 1, 2, 3, 4, 5], END_TRUNCATED)], 6, [0, 0, 0], [1, 2, 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_sample_uses_its_own_n(backend):
+    w = windows([([0, 1, 2, 3, 4, 5], END_TRUNCATED)], 6, [0, 0, 0], [1, 2, 3], backend=backend)
     assert w.m.tolist() == [1, 2, 3]
     assert w.last_row.tolist() == [1, 2, 3]
     assert w.valid.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
@@ -141,7 +167,8 @@ def oracle_window(ep_rows: list[int], kind: int, t: int, n: int, n_max: int) -> 
     m = 0
     while m < n and t + m < valid_steps:
         m += 1
-    rows = [ep_rows[t + k] if k < m else ep_rows[t] for k in range(n_max)]
+    reach = min(n_max, valid_steps - t)  # the walk ignores a per-sample n (valid masks it)
+    rows = [ep_rows[t + min(k, reach)] for k in range(n_max + 1)]
     last = ep_rows[t + m]
     at_end = t + m == len(ep_rows) - 1
     return {
@@ -198,7 +225,8 @@ def test_nstep_windows_match_the_loop_oracle(layout, data):
     else:
         ns = [n_max] * len(picks)
     start = [episodes[e][0][t] for e, t in picks]
-    w = windows(episodes, rows, start, ns if per_sample else n_max, n_max)
+    backend = data.draw(st.sampled_from(BACKENDS))
+    w = windows(episodes, rows, start, ns if per_sample else n_max, n_max, backend)
     for i, (e, t) in enumerate(picks):
         ep_rows, kind = episodes[e]
         want = oracle_window(ep_rows, kind, t, ns[i], n_max)
@@ -236,8 +264,9 @@ def test_sequence_rows_and_full_starts_match_the_loop_oracle(layout, data):
         assert bool(full[i]) == all(want_mask)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_windows_accept_an_empty_batch(n):
-    w = windows([([0, 1], END_TERMINATED)], 2, [], n, 3)
-    assert w.rows.shape == (0, 3)
+def test_windows_accept_an_empty_batch(n, backend):
+    w = windows([([0, 1], END_TERMINATED)], 2, [], n, 3, backend)
+    assert w.rows.shape == (0, 4)
     assert w.m.shape == (0,)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -61,10 +62,27 @@ def test_discounted_return_of_an_empty_last_dim_is_zero():
     assert got.tolist() == [0.0, 0.0, 0.0]
 
 
-def test_window_return_sums_only_the_valid_prefix_even_over_nan():
-    rewards = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 0.0]])
+def batch_major_return(rewards: torch.Tensor, valid: torch.Tensor, gamma: float, backend: str):
+    """window_return of batch-major ``rewards [B, n, ...]`` / ``valid [B, n]`` (it takes them
+    time-major), on torch tensors or, for ``"numpy"``, numpy arrays."""
+    rewards, valid = rewards.transpose(0, 1), valid.T
+    if backend == "numpy":
+        got = window_return(rewards.numpy(), valid.numpy(), gamma)
+        assert isinstance(got, np.ndarray)
+        return torch.from_numpy(got)
+    return window_return(rewards, valid, gamma)
+
+
+BACKENDS = ["torch", "numpy"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_window_return_sums_only_the_valid_prefix_even_over_nan(backend, dtype):
+    rewards = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 0.0]], dtype=dtype)
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    got = window_return(rewards, valid, 0.5)
+    got = batch_major_return(rewards, valid, 0.5, backend)
+    assert got.dtype == dtype
     assert got.tolist() == [2.0, 4.0]
 
 
@@ -72,7 +90,7 @@ def test_window_return_keeps_trailing_reward_dims():
     # [B=1, n=2, 2]: a vector reward per step
     rewards = torch.tensor([[[1.0, 10.0], [2.0, 20.0]]])
     valid = torch.tensor([[True, True]])
-    got = window_return(rewards, valid, 0.5)
+    got = batch_major_return(rewards, valid, 0.5, "torch")
     assert got.shape == (1, 2)
     assert got.tolist() == [[2.0, 20.0]]
 
@@ -80,7 +98,7 @@ def test_window_return_keeps_trailing_reward_dims():
 def test_window_return_of_integer_rewards_is_a_float():
     rewards = torch.tensor([[1, 1, 1]])
     valid = torch.ones(1, 3, dtype=torch.bool)
-    got = window_return(rewards, valid, 0.5)
+    got = batch_major_return(rewards, valid, 0.5, "torch")
     assert got.is_floating_point()
     assert got.item() == pytest.approx(1.75)
 
@@ -93,8 +111,13 @@ def test_window_return_of_integer_rewards_is_a_float():
         pytest.param([2, 2], [False, True], 1.0, [1.0, 0.0], id="gamma-one"),
     ],
 )
-def test_bootstrap_discount(m, terminal, gamma, expected):
-    got = bootstrap_discount(torch.tensor(m), torch.tensor(terminal), gamma)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bootstrap_discount(m, terminal, gamma, expected, backend):
+    m_t, terminal_t = torch.tensor(m), torch.tensor(terminal)
+    if backend == "numpy":
+        got = torch.from_numpy(bootstrap_discount(m_t.numpy(), terminal_t.numpy(), gamma))
+    else:
+        got = bootstrap_discount(m_t, terminal_t, gamma)
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx(expected)
 
@@ -125,18 +148,27 @@ def test_tensor_return_matches_the_loop_row_by_row(rows, gamma):
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), n=st.integers(1, 6), batch=st.integers(1, 6), gamma=gammas)
-def test_window_return_and_discount_match_the_loop(data, n, batch, gamma):
+@given(
+    data=st.data(),
+    n=st.integers(1, 6),
+    batch=st.integers(1, 6),
+    gamma=gammas,
+    backend=st.sampled_from(BACKENDS),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_window_return_and_discount_match_the_loop(data, n, batch, gamma, backend, dtype):
     rewards = data.draw(
         st.lists(st.lists(rewards_strategy, min_size=n, max_size=n), min_size=batch, max_size=batch)
     )
     m = data.draw(st.lists(st.integers(1, n), min_size=batch, max_size=batch))
     terminal = data.draw(st.lists(st.booleans(), min_size=batch, max_size=batch))
     valid = torch.tensor([[k < m[b] for k in range(n)] for b in range(batch)])
-    got = window_return(torch.tensor(rewards, dtype=torch.float64), valid, gamma)
+    stored = torch.tensor(rewards, dtype=dtype)
+    got = batch_major_return(stored, valid, gamma, backend)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     discount = bootstrap_discount(torch.tensor(m), torch.tensor(terminal), gamma)
     for b in range(batch):
-        want = loop_return(rewards[b][: m[b]], gamma)
-        assert math.isclose(float(got[b]), want, rel_tol=1e-12, abs_tol=1e-9)
+        want = loop_return(stored[b, : m[b]].tolist(), gamma)  # the stored (rounded) rewards
+        assert math.isclose(float(got[b]), want, rel_tol=tolerance, abs_tol=100 * tolerance)
         want_discount = 0.0 if terminal[b] else gamma ** m[b]
         assert math.isclose(float(discount[b]), want_discount, rel_tol=1e-6)
