@@ -215,10 +215,13 @@ class EpisodeCore:
         self.evicted = 0
         self._stager: RowStager | None = None  # created once the spec is known
         self._plan: RowPlan | None = None  # the per-step fast path, with the stager
-        self._staged_meta: list[tuple[int, int, int, int, int]] = []  # row, ep, step, kind, alloc
+        # Bookkeeping staged with the rows, as flat int64 arrays: flush turns each into a
+        # tensor with one torch.frombuffer (torch.tensor of a list of tuples costs ~0.4 µs an
+        # int, more than the rows' own copy).
+        self._staged_meta = array("q")  # 5 per row: row, episode, step, end kind, allocation
         self.allocations = 0  # rows ever handed out
         self.priorities: Prioritizer | None = None  # set by a prioritized buffer
-        self._staged_links: list[tuple[int, int]] = []  # row -> next row
+        self._staged_links = array("q")  # 2 per link: row, next row
         self._filler: dict[Key, torch.Tensor] | None = None  # action/reward/extras zeros
         # Observation fields fixed by a zero-step episode's final observation, before any step
         # fixed the whole spec: the first step's observation must match them.
@@ -391,7 +394,9 @@ class EpisodeCore:
         """Drop an episode and free its rows (staged writes must be flushed already)."""
         rows = episode.rows + ([episode.final_row] if episode.final_row is not None else [])
         if rows:
-            rows_t = torch.tensor(rows, dtype=torch.long, device=self.slots.storing_device)
+            # Through an int64 array: 3x faster than torch.tensor of a list of ints.
+            rows_t = torch.frombuffer(array("q", rows), dtype=torch.long)
+            rows_t = rows_t.to(self.slots.storing_device, copy=True)
             self.anchors.remove(rows_t[self.anchors.contains(rows_t)])
             self.links.link(rows_t, torch.full_like(rows_t, -1))
             self.links.episode[rows_t] = -1
@@ -456,17 +461,17 @@ class EpisodeCore:
     def _assign_rows(self, episodes: list[Episode]) -> list[int]:
         """Free rows for one new step of each episode, linked after its previous step."""
         # One plain loop with local names: this runs once per environment per vector step.
-        pop, meta, links = self.free.pop, self._staged_meta, self._staged_links
+        pop, meta, links = self.free.pop, self._staged_meta.extend, self._staged_links
         linked, first = len(links), self.allocations
         new_rows = []
         for i, episode in enumerate(episodes):
             row, rows = pop(), episode.rows
-            meta.append((row, episode.episode_id, len(rows), END_NONE, first + i))
+            meta((row, episode.episode_id, len(rows), END_NONE, first + i))
             if rows:
-                links.append((rows[-1], row))
+                links.extend((rows[-1], row))
             rows.append(row)
             new_rows.append(row)
-        self.valid_steps += len(links) - linked
+        self.valid_steps += (len(links) - linked) // 2
         self.allocations += len(episodes)
         self.steps += len(episodes)
         return new_rows
@@ -488,7 +493,7 @@ class EpisodeCore:
         if episode.rows:
             self.make_room(0, 1, 0, {episode.episode_id})
             row = self.free.pop()
-            self._staged_meta.append(
+            self._staged_meta.extend(
                 (row, episode.episode_id, episode.steps, end_kind, self._allocate())
             )
             self._link(episode.rows[-1], row)
@@ -530,7 +535,7 @@ class EpisodeCore:
         return rows, live
 
     def _link(self, row: int, next_row: int) -> None:
-        self._staged_links.append((row, next_row))
+        self._staged_links.extend((row, next_row))
         self.valid_steps += 1
 
     def _stage(self, rows: list[int], data: dict[Key, torch.Tensor]) -> None:
@@ -559,7 +564,7 @@ class EpisodeCore:
         if not self._staged_meta:
             return
         device = self.slots.storing_device
-        meta = torch.tensor(self._staged_meta, dtype=torch.long, device=device)
+        meta = _staged_tensor(self._staged_meta, 5, device)
         self.links.link(meta[:, 0], torch.full_like(meta[:, 0], -1))
         self.links.episode[meta[:, 0]] = meta[:, 1]
         self.links.step[meta[:, 0]] = meta[:, 2]
@@ -569,20 +574,26 @@ class EpisodeCore:
         if prev_row is not None:
             prev_row[meta[:, 0]] = -1
         if self._staged_links:
-            links = torch.tensor(self._staged_links, dtype=torch.long, device=device)
+            links = _staged_tensor(self._staged_links, 2, device)
             self.links.link(links[:, 0], links[:, 1])
             if prev_row is not None:
                 prev_row[links[:, 1]] = links[:, 0]
             self.anchors.add(links[:, 0])
             if self.priorities is not None:
                 self.priorities.admit(links[:, 0])  # new steps enter at the current maximum
-        self._staged_meta, self._staged_links = [], []
+        self._staged_meta, self._staged_links = array("q"), array("q")
 
     def clear(self) -> None:
         """Drop every episode (ids keep counting up, so old ids stay invalid)."""
         self.flush()
         for episode in list(self.episodes.values()):
             self.remove_episode(episode)
+
+
+def _staged_tensor(values: array, width: int, device: torch.device) -> torch.Tensor:
+    """A flat int64 array of ``width``-tuples as a long ``[k, width]`` tensor on ``device``
+    (a copy: the array is dropped after the flush)."""
+    return torch.frombuffer(values, dtype=torch.long).view(-1, width).to(device, copy=True)
 
 
 def _observation(leaves: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
