@@ -31,7 +31,7 @@ from replaybuf.prioritized import (
     priority_stats,
     ring_ids,
 )
-from replaybuf.schema import FieldSpec, Key, to_tensordict
+from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
 
 if TYPE_CHECKING:
@@ -215,23 +215,25 @@ class ReplayBuffer:
                 "add expects one transition (batch_size []), got batch_size "
                 f"{list(experience.batch_size)}; use add_batch for batches"
             )
-        td = to_tensordict(experience, batched=False, what="add", spec=self.spec)
-        self._write(td.unsqueeze(0), "add")
+        leaves = to_leaves(experience, batched=False, what="add", spec=self.spec)
+        self._write({key: value.unsqueeze(0) for key, value in leaves.items()}, "add")
 
     def add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
         """Add a batch of transitions (leading dimension = rows); keeps the newest on overflow."""
         self._check_open()
-        td = to_tensordict(batch, batched=True, what="add_batch", spec=self.spec)
-        self._write(td, "add_batch")
+        self._write(to_leaves(batch, batched=True, what="add_batch", spec=self.spec), "add_batch")
 
-    def _write(self, td: TensorDict, what: str) -> None:
-        rows = td.shape[0]
+    def _write(self, leaves: dict[Key, torch.Tensor], what: str) -> None:
+        """Write checked ``[rows, ...]`` leaves by flat key (no TensorDict is built for them
+        once the storage writes directly: a TensorDict setitem per field costs more than the
+        copy of a 1,000-row chunk)."""
+        rows = next(iter(leaves.values())).shape[0]
         if self.spec is None:
             if rows == 0:
                 return  # an empty batch must not fix the spec
-            self._slots.prepare(FieldSpec.of(td, 1))
+            self._slots.prepare(FieldSpec.of(leaves, 1))
         else:
-            self.spec.check(td, 1, what)
+            self.spec.check(leaves, 1, what)
         if rows == 0:
             return
         capacity = self.buffer_size
@@ -240,9 +242,9 @@ class ReplayBuffer:
             # (so the layout does not depend on chunking): writing `rows % capacity` rows
             # first moves TorchRL's cursor there; the newest `capacity` rows then cover them.
             if rows % capacity:
-                self._slots.extend(td[: rows % capacity])
-            td = td[rows - capacity :]
-        self._slots.extend(td)
+                self._slots.extend({k: v[: rows % capacity] for k, v in leaves.items()})
+            leaves = {k: v[rows - capacity :] for k, v in leaves.items()}
+        self._slots.extend(leaves)
         if self._priorities is not None:  # overwritten items leave, new ones enter at the max
             written = torch.arange(min(rows, capacity), device=self.storing_device)
             self._priorities.admit((self._pointer + rows - 1 - written) % capacity)

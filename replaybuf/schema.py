@@ -217,22 +217,6 @@ def to_leaves(
     return leaves
 
 
-def to_tensordict(
-    data: Any,
-    *,
-    batched: bool,
-    what: str,
-    spec: FieldSpec | None = None,
-) -> TensorDict:
-    """:func:`to_leaves` as a TensorDict of batch size ``[]`` (one row) or ``[rows]``."""
-    leaves = to_leaves(data, batched=batched, what=what, spec=spec)
-    rows = _common_rows(leaves, what) if batched else None
-    td = TensorDict({}, batch_size=[rows] if batched else [])
-    for key, value in leaves.items():
-        td.set(key, value)
-    return td
-
-
 def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Key, Any]]:
     for name, value in data.items():
         if not isinstance(name, str):

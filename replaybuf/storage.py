@@ -196,11 +196,14 @@ class SlotStorage:
                 _where(self.kind, self.storing_device, folder), needed, free
             )
 
-    def extend(self, td: TensorDictBase) -> None:
+    def extend(self, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
         """Append rows round-robin at TorchRL's writer cursor (ring semantics); at most
-        ``capacity`` rows."""
+        ``capacity`` rows. ``data``: a TensorDict or ``[rows, ...]`` leaves by flat key."""
+        if isinstance(data, TensorDictBase):
+            data = {key: data.get(key) for key, _ in self._leaves} if self._direct else data
         if not self._direct:
             first = not self._leaves
+            td = data if isinstance(data, TensorDictBase) else _tensordict(data)
             self.memory.extend(td.to(self.storing_device))
             if first:
                 self._after_first_write()
@@ -212,15 +215,18 @@ class SlotStorage:
         # ring wraps) into the very tensors TorchRL holds.
         writer = self.memory.writer
         state = writer.state_dict()
-        rows, cursor = td.shape[0], state["_cursor"]
-        slots = torch.arange(cursor, cursor + rows, device=self.storing_device) % self.capacity
+        rows, cursor = next(iter(data.values())).shape[0], state["_cursor"]
+        slots = torch.arange(cursor, cursor + rows, device=self.storing_device)
         head = min(rows, self.capacity - cursor)
-        columns = [(column, td.get(key).to(self.storing_device)) for key, column in self._leaves]
+        if head < rows:
+            slots %= self.capacity
+        columns = [(column, data[key]) for key, column in self._leaves]
         if self._index_column is not None:
             columns.append((self._index_column, slots))
-        for column, value in columns:
+        for column, value in columns:  # copy_ moves values to the storing device
             column[cursor : cursor + head].copy_(value[:head])
-            column[: rows - head].copy_(value[head:])
+            if head < rows:
+                column[: rows - head].copy_(value[head:])
         self._record_write(slots)
         writer.load_state_dict(
             {
@@ -405,10 +411,17 @@ class SlotStorage:
             index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
 
 
+def _tensordict(leaves: dict[Key, torch.Tensor]) -> TensorDict:
+    """Flat ``[rows, ...]`` leaves as a (nested) TensorDict of batch size ``[rows]``."""
+    rows = next(iter(leaves.values())).shape[0]
+    return build_tensordict(list(leaves), list(leaves.values()), rows, None)
+
+
 def build_tensordict(
-    keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device
+    keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device | None
 ) -> TensorDict:
-    """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device``."""
+    """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device`` (None:
+    wherever each value lives)."""
     if _NEW_UNSAFE is not None and all(len(key) == 1 for key in keys):  # no nesting to build
         source = {key[0]: value for key, value in zip(keys, values, strict=True)}
         return _NEW_UNSAFE(source, batch_size=torch.Size([rows]), device=device)
@@ -426,7 +439,7 @@ def nest(leaves: Mapping[Key, Any]) -> dict:
     return nested
 
 
-def _assemble(tree: dict, batch_size: torch.Size, device: torch.device) -> TensorDict:
+def _assemble(tree: dict, batch_size: torch.Size, device: torch.device | None) -> TensorDict:
     # The public constructor re-validates every leaf (~9 µs for 4 keys); our shapes and devices
     # are known to be right, so the unchecked constructor (~2 µs) is used where tensordict has it.
     source = {
