@@ -539,3 +539,19 @@ def test_locate_picks_the_first_item_whose_running_sum_reaches_the_mass():
     items, weights = locate(starts, leaves, masses)
     assert items.tolist() == [1, 1, 3, 3, 6, 6]
     assert weights.tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), total=st.floats(1e-300, 1e300), batch=st.integers(0, 64))
+def test_sample_masses_numpy_and_torch_paths_agree_bit_for_bit(seed, total, batch):
+    # A float total takes the numpy path (the segment tree's), a tensor total the torch path
+    # (the torch backend's): the same generator state must give the same masses, in (0, total].
+    def masses(total_arg):
+        generator = torch.Generator().manual_seed(seed)
+        return priority.sample_masses(batch, total_arg, generator, torch.device("cpu"))
+
+    by_numpy = masses(total)
+    by_torch = masses(torch.tensor(total, dtype=torch.float64))
+    assert by_numpy.dtype == by_torch.dtype == torch.float64
+    assert torch.equal(by_numpy, by_torch)
+    assert bool(((by_numpy > 0) & (by_numpy <= total)).all())
