@@ -12,6 +12,7 @@ from episode_helpers import (
     assert_episode_record,
     assert_nstep_batch,
     assert_sequence_batch,
+    batch_of,
     extras,
     final_obs,
     pairs_of,
@@ -21,6 +22,7 @@ from episode_program import Program, reference_for
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+from tensordict import TensorDict
 
 from replaybuf import (
     EmptyBufferError,
@@ -583,3 +585,53 @@ def test_the_readme_worked_example_holds(tmp_path):
             (c, 0): (2, 1.5, 2.0, False, False, True, 0.25),
             (c, 1): (1, 1.0, 2.0, False, False, True, 0.5),
         }
+
+
+def _sorted_transitions(buf: SyncEpisodeReplayBuffer) -> TensorDict:
+    """Every stored 3-step transition, ordered by (episode, step)."""
+    batch = buf.sample_n_step(len(buf), n=3, gamma=0.9, replace=False)
+    order = sorted(range(len(buf)), key=lambda i: pairs_of(batch)[i])
+    return batch[torch.tensor(order)]
+
+
+@pytest.mark.parametrize("evict", [False, True], ids=["room", "evicting"])
+@pytest.mark.parametrize("envs", [2, 64])
+def test_a_wide_append_batch_stores_exactly_what_per_step_appends_store(make, envs, evict):
+    # A vector env: every slot runs episodes of its own length; an ended episode's slot starts
+    # a new one in the same call. Fed once as append_batch calls, once step by step in the same
+    # order, both buffers must hold the same episodes and transitions; with room for all, the
+    # same rows, links and bookkeeping bit for bit (evictions may free rows in another order).
+    lengths = [3 + (slot * 7) % 11 for slot in range(envs)]  # 3..13 steps
+    # Evicting: room for every episode in progress (13 steps each) but not for the 30 steps
+    # per slot written, so whole finished episodes get evicted on the way.
+    size = 16 * envs if evict else 30 * envs
+    episodes = 4 * envs if evict else 30 * envs  # also the reserve of final-observation rows
+    batched, stepped = (make(size, episodes, storage="tensor") for _ in "ab")
+    for buf in (batched, stepped):
+        current = [buf.start_episode() for _ in range(envs)]
+        age = [0] * envs
+        for _ in range(30):
+            steps = [step(current[s], age[s]) for s in range(envs)]
+            if buf is batched:
+                buf.append_batch(list(current), *batch_of(steps))
+            else:
+                for s in range(envs):
+                    buf.append_observation_action_reward(current[s], *steps[s])
+            for s in range(envs):
+                age[s] += 1
+                if age[s] == lengths[s]:
+                    status = "terminated" if s % 2 else "truncated"
+                    buf.end_episode(current[s], status, final_obs(current[s], age[s]))
+                    current[s], age[s] = buf.start_episode(), 0
+        buf.sample_n_step(1)  # flush the staged rows and bookkeeping
+    assert batched.stats() == stepped.stats()
+    assert (batched.stats()["evicted_episodes"] > 0) == evict
+    for episode_id in batched._core.episodes:
+        one, other = batched.get_episode(episode_id), stepped.get_episode(episode_id)
+        assert (one == other).all(), episode_id
+    assert (_sorted_transitions(batched) == _sorted_transitions(stepped)).all()
+    if not evict:
+        a, b = batched._core, stepped._core
+        for name in ("next_row", "succ", "episode", "step", "end_kind", "alloc"):
+            assert torch.equal(getattr(a.links, name), getattr(b.links, name)), name
+        assert list(a.free) == list(b.free)
