@@ -107,36 +107,27 @@ def nstep_windows(
     )
 
 
-def sequence_rows(
-    start: torch.Tensor, length: int, next_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_rows(start: Array, length: int, succ: Array) -> tuple[Array, Array]:
     """Rows of ``length`` consecutive steps from each anchor, and of their observations.
 
     Returns ``obs_rows [B, length + 1]`` (obs_t .. obs_{t+length}; positions past the window
     repeat the last real row) and ``mask [B, length]`` (True for steps inside the episode).
+    ``succ`` as in :func:`nstep_windows` (torch or numpy): a chain of ``length`` gathers.
     """
-    batch = start.shape[0]
-    obs_rows = torch.empty((batch, length + 1), dtype=torch.long, device=start.device)
-    mask = torch.empty((batch, length), dtype=torch.bool, device=start.device)
-    cur = start
-    active = torch.ones(batch, dtype=torch.bool, device=start.device)
-    for k in range(length):
-        obs_rows[:, k] = cur
-        nxt = next_row.index_select(0, cur)
-        if k > 0:
-            active = active & (nxt >= 0)
-        mask[:, k] = active
-        cur = torch.where(active, nxt, cur)
-    obs_rows[:, length] = cur
-    return obs_rows, mask
+    chain = [start]
+    for _ in range(length):
+        chain.append(gather(succ, chain[-1]))
+    stacked = np.stack(chain, 1) if isinstance(start, np.ndarray) else torch.stack(chain, 1)
+    return stacked, stacked[:, 1:] != stacked[:, :-1]
 
 
-def full_sequence_starts(
-    anchors: torch.Tensor, length: int, next_row: torch.Tensor
-) -> torch.Tensor:
-    """The anchors from which ``length`` consecutive steps all exist (bool ``[len(anchors)]``)."""
-    _, mask = sequence_rows(anchors, length, next_row)
-    return mask.all(1)
+def full_sequence_starts(anchors: Array, length: int, succ: Array) -> Array:
+    """The anchors from which ``length`` (>= 1) consecutive steps all exist (bool
+    ``[len(anchors)]``): those whose walk still moves at its last step."""
+    before = last = anchors
+    for _ in range(length):
+        before, last = last, gather(succ, last)
+    return last != before
 
 
 def stack_rows(

@@ -176,17 +176,29 @@ def sequence_batch(
     """``[B, length]`` consecutive steps from each anchor; ``mask`` marks real steps.
 
     Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1.
+    With CPU storage the row walk runs in numpy (as in :func:`nstep_batch`), and a batch with
+    no padding skips the zero-filling.
     """
-    links = core.links
+    links, host = core.links, core.links.host
     batch = start.shape[0]
-    obs_rows, mask = sequence_rows(start, length, links.next_row)
-    step_rows = obs_rows[:, :length]
+    if host is None:
+        obs_rows, mask = sequence_rows(start, length, links.succ)  # [B, L + 1], [B, L]
+        next_kind = links.end_kind[obs_rows[:, 1:]]  # [B, L]
+        step = links.step[obs_rows[:, :length]]
+        episode = links.episode.index_select(0, start)
+        padded = True  # unknown without a device synchronisation: fill as if
+    else:
+        rows, real = sequence_rows(start.numpy(), length, host.succ)
+        next_kind = torch.from_numpy(host.end_kind[rows[:, 1:]])
+        step = torch.from_numpy(host.step[rows[:, :length]])
+        episode = torch.from_numpy(host.episode[start.numpy()])
+        padded = not real.all()
+        obs_rows, mask = torch.from_numpy(rows), torch.from_numpy(real)
     obs = _stacked_observations(core, start, obs_rows, device)  # [B, length + 1]
     rest = core.slots.gather(
-        step_rows.reshape(-1), device, _keys(core, "action", "reward", "extras")
+        obs_rows[:, :length].reshape(-1), device, _keys(core, "action", "reward", "extras")
     )
     rest = rest.reshape(batch, length)
-    next_kind = links.end_kind[obs_rows[:, 1:]]  # [B, L]
     observation = obs.get("observation")
     out = TensorDict(
         {
@@ -196,22 +208,23 @@ def sequence_batch(
             "next_observation": observation[:, 1:],
             "terminal": (next_kind == END_TERMINATED).to(device),
             "truncated": (next_kind == END_TRUNCATED).to(device),
-            "step": links.step[step_rows].to(device),
-            "episode_id": links.episode[start].unsqueeze(1).expand(batch, length).to(device),
+            "step": step.to(device),
+            "episode_id": episode.unsqueeze(1).repeat(1, length).to(device),
         },
         batch_size=[batch, length],
         device=device,
     )
     _put_extras(out, rest)
     mask = mask.to(device)
+    if padded:
 
-    def zero_padding(value: torch.Tensor) -> torch.Tensor:
-        keep = mask.reshape(*mask.shape, *([1] * (value.dim() - 2)))
-        return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=device))
+        def zero_padding(value: torch.Tensor) -> torch.Tensor:
+            keep = mask.reshape(*mask.shape, *([1] * (value.dim() - 2)))
+            return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=device))
 
-    out = out.apply(zero_padding)
-    for name in ("episode_id", "step"):  # 0 is a real id and step: padding says -1
-        out.set(name, torch.where(mask, out.get(name), -1))
+        out = out.apply(zero_padding)
+        for name in ("episode_id", "step"):  # 0 is a real id and step: padding says -1
+            out.set(name, torch.where(mask, out.get(name), -1))
     out.set("mask", mask)
     return out
 
@@ -320,6 +333,14 @@ def with_priority_keys(
     return batch
 
 
+def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch.Tensor:
+    """:func:`replaybuf.index.full_sequence_starts` of ``anchors``, in numpy for CPU storage."""
+    host = core.links.host
+    if host is None:
+        return qualifies(anchors, length, core.links.succ)
+    return torch.from_numpy(qualifies(anchors.numpy(), length, host.succ))
+
+
 def sample_sequence_starts(
     core: EpisodeCore, batch_size: int, length: int, generator: torch.Generator
 ) -> torch.Tensor:
@@ -329,7 +350,7 @@ def sample_sequence_starts(
     Rejection from the unrestricted draw is exact and O(B · length) when most anchors qualify;
     when few do, an exact scan over all anchors takes over.
     """
-    links, anchors, priorities = core.links, core.anchors, core.priorities
+    anchors, priorities = core.anchors, core.priorities
     found: list[torch.Tensor] = []
     need = batch_size
     for _ in range(4):
@@ -338,13 +359,13 @@ def sample_sequence_starts(
             candidates = anchors.sample(draws, generator)
         else:
             candidates = priorities.tree.sample(draws, generator)
-        ok = candidates[qualifies(candidates, length, links.next_row)]
+        ok = candidates[_full_starts(core, candidates, length)]
         found.append(ok[:need])
         need -= int(found[-1].shape[0])
         if need <= 0:
             return torch.cat(found)
     every = anchors.snapshot()
-    eligible = every[qualifies(every, length, links.next_row)]
+    eligible = every[_full_starts(core, every, length)]
     if eligible.shape[0] == 0:
         raise EmptyBufferError(
             f"cannot sample sequences: no stored episode has {length} consecutive steps "

@@ -143,19 +143,32 @@ def test_each_sample_uses_its_own_n(backend):
     assert w.truncated.tolist() == [False, False, False]
 
 
-def test_sequence_rows_pad_past_episode_end_with_last_real_row():
+def sequences(episodes, rows, start, length, backend="torch"):
+    """sequence_rows and full_sequence_starts on torch tensors or numpy arrays, as tensors."""
+    succ = successors(link(episodes, rows)[0])
+    start = torch.tensor(start, dtype=torch.long)
+    if backend == "numpy":
+        obs_rows, mask = sequence_rows(start.numpy(), length, succ.numpy())
+        full = full_sequence_starts(start.numpy(), length, succ.numpy())
+        assert all(isinstance(v, np.ndarray) for v in (obs_rows, mask, full))
+        return torch.from_numpy(obs_rows), torch.from_numpy(mask), torch.from_numpy(full)
+    obs_rows, mask = sequence_rows(start, length, succ)
+    return obs_rows, mask, full_sequence_starts(start, length, succ)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_rows_pad_past_episode_end_with_last_real_row(backend):
     # terminated, 2 steps: rows 7 -> 3 -> 5 (final); length 4 from t=0
-    next_row, _ = link([([7, 3, 5], END_TERMINATED)], 8)
-    obs_rows, mask = sequence_rows(torch.tensor([7, 3]), 4, next_row)
+    obs_rows, mask, _ = sequences([([7, 3, 5], END_TERMINATED)], 8, [7, 3], 4, backend)
     assert obs_rows.tolist() == [[7, 3, 5, 5, 5], [3, 5, 5, 5, 5]]
     assert mask.tolist() == [[True, True, False, False], [True, False, False, False]]
-    full = full_sequence_starts(torch.tensor([7, 3]), 2, next_row)
+    _, _, full = sequences([([7, 3, 5], END_TERMINATED)], 8, [7, 3], 2, backend)
     assert full.tolist() == [True, False]
 
 
-def test_sequence_of_in_progress_episode_stops_before_newest_observation():
-    next_row, _ = link([([0, 1, 2], END_NONE)], 3)
-    obs_rows, mask = sequence_rows(torch.tensor([0]), 3, next_row)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_of_in_progress_episode_stops_before_newest_observation(backend):
+    obs_rows, mask, _ = sequences([([0, 1, 2], END_NONE)], 3, [0], 3, backend)
     assert mask.tolist() == [[True, True, False]]
     assert obs_rows.tolist() == [[0, 1, 2, 2]]
 
@@ -253,10 +266,9 @@ def test_sequence_rows_and_full_starts_match_the_loop_oracle(layout, data):
         return
     picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
     length = data.draw(st.integers(1, 8))
-    next_row, _ = link(episodes, rows)
-    start = torch.tensor([episodes[e][0][t] for e, t in picks], dtype=torch.long)
-    obs_rows, mask = sequence_rows(start, length, next_row)
-    full = full_sequence_starts(start, length, next_row)
+    start = [episodes[e][0][t] for e, t in picks]
+    backend = data.draw(st.sampled_from(BACKENDS))
+    obs_rows, mask, full = sequences(episodes, rows, start, length, backend)
     for i, (e, t) in enumerate(picks):
         want_rows, want_mask = oracle_sequence(episodes[e][0], t, length)
         assert obs_rows[i].tolist() == want_rows
