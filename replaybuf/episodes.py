@@ -245,6 +245,11 @@ class EpisodeCore:
         raise EpisodeStateError(f"cannot {action} episode {episode_id}: unknown episode id")
 
     def in_progress(self, episode_id: Any, action: str) -> Episode:
+        # A plain int naming an episode in progress takes the dict hit; anything else goes
+        # through live()'s checks and messages.
+        episode = self.episodes.get(episode_id) if type(episode_id) is int else None
+        if episode is not None and episode.end_kind == END_NONE:
+            return episode
         episode = self.live(episode_id, action)
         if not episode.in_progress:
             raise EpisodeStateError(
@@ -450,13 +455,26 @@ class EpisodeCore:
         values = None if plan is None else plan.values(observation, action, reward, extras)
         if values is None or stager is None:
             return False
-        if self.steps >= self.max_steps or not self.free or self.max_episodes:
+        cap = self.max_episodes
+        if self.steps >= self.max_steps or not self.free or (cap and len(self.episodes) > cap):
             self.make_room(1, 1, 0, {episode.episode_id})  # returns at once when all fits
-        (row,) = self._assign_rows([episode])
+        row = self._assign_row(episode)
         if not stager.fits(1):
             self._write_staged()
         stager.stage_one(row, values)
         return True
+
+    def _assign_row(self, episode: Episode) -> int:
+        """:meth:`_assign_rows` for one episode, without the batch's loop (the per-step path)."""
+        row, rows = self.free.pop(), episode.rows
+        self._staged_meta.extend((row, episode.episode_id, len(rows), END_NONE, self.allocations))
+        if rows:
+            self._staged_links.extend((rows[-1], row))  # _link, inlined: once per step
+            self.valid_steps += 1
+        rows.append(row)
+        self.allocations += 1
+        self.steps += 1
+        return row
 
     def _assign_rows(self, episodes: list[Episode]) -> list[int]:
         """Free rows for one new step of each episode, linked after its previous step."""

@@ -79,9 +79,12 @@ def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype:
     """``value`` as numpy can assign it when it matches the field exactly, else None."""
     kind = type(value)
     if kind is torch.Tensor:
-        exact = value.dtype is dtype and value.shape == shape and value.device.type == "cpu"
-        # Lazily conjugated or negated views have no numpy() view: the general path copies them.
-        return value.detach().numpy() if exact and not (value.is_conj() or value.is_neg()) else None
+        if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
+            return None
+        try:  # one call: numpy() refuses what it cannot view (grad, lazy conj/neg views)
+            return value.numpy()
+        except RuntimeError:
+            return None  # the general path detaches and copies those
     if kind is np.ndarray:
         return value if value.dtype == np_dtype and value.shape == shape else None
     if shape != ():
