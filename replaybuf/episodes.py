@@ -465,46 +465,25 @@ class EpisodeCore:
         return True
 
     def _assign_row(self, episode: Episode) -> int:
-        """:meth:`_assign_rows` for one episode, without the batch's loop (the per-step path)."""
+        """A free row for one new step of ``episode``, linked after its previous step."""
         row, rows = self.free.pop(), episode.rows
         self._staged_meta.extend((row, episode.episode_id, len(rows), END_NONE, self.allocations))
         if rows:
-            self._staged_links.extend((rows[-1], row))  # _link, inlined: once per step
-            self.valid_steps += 1
+            self._link(rows[-1], row)
         rows.append(row)
         self.allocations += 1
         self.steps += 1
         return row
 
     def _assign_rows(self, episodes: list[Episode]) -> list[int]:
-        """Free rows for one new step of each episode, linked after its previous step."""
-        # One plain loop with local names: this runs once per environment per vector step.
-        pop, meta, links = self.free.pop, self._staged_meta.extend, self._staged_links
-        linked, first = len(links), self.allocations
-        new_rows = []
-        for i, episode in enumerate(episodes):
-            row, rows = pop(), episode.rows
-            meta((row, episode.episode_id, len(rows), END_NONE, first + i))
-            if rows:
-                links.extend((rows[-1], row))
-            rows.append(row)
-            new_rows.append(row)
-        self.valid_steps += (len(links) - linked) // 2
-        self.allocations += len(episodes)
-        self.steps += len(episodes)
-        return new_rows
+        """:meth:`_assign_row` for each of ``episodes``, in order."""
+        assign = self._assign_row
+        return [assign(episode) for episode in episodes]
 
     def in_progress_all(self, episode_ids: list[Any], action: str) -> list[Episode]:
         """:meth:`in_progress` for several ids (the precise error for the first bad one)."""
-        episodes, found = [], self.episodes
-        for episode_id in episode_ids:
-            # Plain ints that name an episode in progress take the dict hit; anything else
-            # (numpy ints, unknown, ended) goes through in_progress's checks and messages.
-            episode = found.get(episode_id) if type(episode_id) is int else None
-            if episode is None or episode.end_kind != END_NONE:
-                episode = self.in_progress(episode_id, action)
-            episodes.append(episode)
-        return episodes
+        in_progress = self.in_progress
+        return [in_progress(episode_id, action) for episode_id in episode_ids]
 
     def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
         """Record the end of an episode with its final observation row."""

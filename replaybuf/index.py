@@ -66,6 +66,15 @@ def gather(column: Array, rows: Array) -> Array:
     return column.index_select(0, rows)
 
 
+def walk(start: Array, steps: int, succ: Array) -> list[Array]:
+    """``[start, succ[start], succ[succ[start]], ...]``: ``steps`` gathers along the links,
+    each ending in a self-loop at an episode's final (or newest) observation."""
+    chain = [start]
+    for _ in range(steps):
+        chain.append(gather(succ, chain[-1]))
+    return chain
+
+
 def nstep_windows(
     start: Array, n: Array | int, n_max: int, succ: Array, end_kind: Array
 ) -> Windows:
@@ -78,9 +87,7 @@ def nstep_windows(
     next one. O(B · n_max), independent of how many rows are stored.
     """
     host = isinstance(start, np.ndarray)
-    chain = [start]
-    for _ in range(n_max):
-        chain.append(gather(succ, chain[-1]))
+    chain = walk(start, n_max, succ)
     rows = np.stack(chain) if host else torch.stack(chain)  # [n_max + 1, B]
     if n_max == 1:  # every anchor has a next row: all valid, m = 1 (three calls fewer)
         valid, m, last = rows[:1] >= 0, (np if host else torch).ones_like(start), chain[-1]
@@ -114,9 +121,7 @@ def sequence_rows(start: Array, length: int, succ: Array) -> tuple[Array, Array]
     repeat the last real row) and ``mask [B, length]`` (True for steps inside the episode).
     ``succ`` as in :func:`nstep_windows` (torch or numpy): a chain of ``length`` gathers.
     """
-    chain = [start]
-    for _ in range(length):
-        chain.append(gather(succ, chain[-1]))
+    chain = walk(start, length, succ)
     stacked = np.stack(chain, 1) if isinstance(start, np.ndarray) else torch.stack(chain, 1)
     return stacked, stacked[:, 1:] != stacked[:, :-1]
 
@@ -124,10 +129,8 @@ def sequence_rows(start: Array, length: int, succ: Array) -> tuple[Array, Array]
 def full_sequence_starts(anchors: Array, length: int, succ: Array) -> Array:
     """The anchors from which ``length`` (>= 1) consecutive steps all exist (bool
     ``[len(anchors)]``): those whose walk still moves at its last step."""
-    before = last = anchors
-    for _ in range(length):
-        before, last = last, gather(succ, last)
-    return last != before
+    chain = walk(anchors, length, succ)
+    return chain[-1] != chain[-2]
 
 
 def stack_rows(
