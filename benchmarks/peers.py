@@ -467,18 +467,26 @@ class FlatNStep:
     """
 
     def __init__(
-        self, eps: Episodes, n: int, gamma: float, seed: int = 0, respect_ends: bool = True
+        self,
+        eps: Episodes,
+        n: int,
+        gamma: float,
+        seed: int = 0,
+        respect_ends: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         flat = _flat(eps)
         self.steps = eps.steps
         pad = n  # windows may look n rows past the last step: padded rows end an episode
-        self.obs, self.next_obs = flat["obs"], flat["next_obs"]
-        self.action = flat["action"]
-        self.reward = torch.cat([flat["reward"], torch.zeros(pad)])
-        self.end = torch.cat([flat["end"], torch.ones(pad, dtype=torch.bool)])
-        self.terminated = torch.cat([flat["terminated"], torch.zeros(pad, dtype=torch.bool)])
+        self.device = torch.device(device)
+        self.obs, self.next_obs = flat["obs"].to(device), flat["next_obs"].to(device)
+        self.action = flat["action"].to(device)
+        self.reward = torch.cat([flat["reward"], torch.zeros(pad)]).to(device)
+        self.end = torch.cat([flat["end"], torch.ones(pad, dtype=torch.bool)]).to(device)
+        terminated = torch.cat([flat["terminated"], torch.zeros(pad, dtype=torch.bool)])
+        self.terminated = terminated.to(device)
         self.n, self.gamma, self.respect_ends = n, gamma, respect_ends
-        self.g = torch.Generator().manual_seed(seed)
+        self.g = torch.Generator(device=self.device).manual_seed(seed)
 
     @property
     def stored_bytes(self) -> int:
@@ -487,9 +495,9 @@ class FlatNStep:
         )
 
     def sample(self, batch: int) -> dict[str, torch.Tensor]:
-        idx = torch.randint(0, self.steps, (batch,), generator=self.g)
+        idx = torch.randint(0, self.steps, (batch,), generator=self.g, device=self.device)
         ret = self.reward.index_select(0, idx)
-        m = torch.ones(batch, dtype=torch.long)
+        m = torch.ones(batch, dtype=torch.long, device=self.device)
         alive = None
         for k in range(1, self.n):
             if self.respect_ends:
@@ -736,8 +744,11 @@ def pixel_action(episodes: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     return (episodes.reshape(-1, 1) + torch.arange(t0, t1)) % 6
 
 
-def floor_pixels(frames: Frames, count: int, length: int, batch: int) -> Built:
-    """Observations stored once (T+1 rows per episode); next obs = the row after the anchor."""
+def floor_pixels(
+    frames: Frames, count: int, length: int, batch: int, device: torch.device | str = "cpu"
+) -> Built:
+    """Observations stored once (T+1 rows per episode); next obs = the row after the anchor.
+    Built on the CPU, then moved to ``device`` with the anchors and the generator."""
     rows = count * (length + 1)
     obs = torch.empty((rows, *PIXELS), dtype=torch.uint8)
     action = torch.zeros(rows, dtype=torch.long)
@@ -751,11 +762,14 @@ def floor_pixels(frames: Frames, count: int, length: int, batch: int) -> Built:
         reward[first : first + length] = pixel_reward(es, 0, length)[0]
         terminal[first + length] = True
     anchors = (torch.arange(count).reshape(-1, 1) * (length + 1) + torch.arange(length)).reshape(-1)
+    obs, action, reward = obs.to(device), action.to(device), reward.to(device)
+    terminal, anchors = terminal.to(device), anchors.to(device)
     steps = anchors.shape[0]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def sample() -> dict[str, torch.Tensor]:
-        idx = anchors.index_select(0, torch.randint(0, steps, (batch,), generator=g))
+        picks = torch.randint(0, steps, (batch,), generator=g, device=device)
+        idx = anchors.index_select(0, picks)
         nxt = idx + 1
         return {
             "observation": obs.index_select(0, idx),
@@ -784,12 +798,21 @@ def replaybuf_pixels(
     scratch: Path,
     kind: str = "tensor",
     frame_stack: bool = False,
+    device: torch.device | str = "cpu",
+    storing_device: torch.device | str = "cpu",
 ) -> Built:
     """replaybuf's episode buffer; ``frame_stack``: append each stack's newest frame only and
     let ``frame_stack=4`` rebuild the stacks (the same observations come back)."""
     stack = PIXELS[0] if frame_stack else None
     buf = SyncEpisodeReplayBuffer(
-        count * length, count, storage=kind, scratch_dir=scratch, seed=0, frame_stack=stack
+        count * length,
+        count,
+        device=device,
+        storing_device=storing_device,
+        storage=kind,
+        scratch_dir=scratch,
+        seed=0,
+        frame_stack=stack,
     )
     es = torch.arange(count)
     ids = [buf.start_episode() for _ in range(count)]
@@ -808,6 +831,9 @@ def replaybuf_pixels(
     for e, episode in enumerate(ids):
         buf.end_episode(episode, "terminated", final[e])
     buf.sample_n_step(1)  # writes the staged rows, so that stats() counts them
+    if kind == "memmap":  # map every page once, as replaybuf_transitions does
+        for episode in ids:
+            buf.get_episode(episode)
     stats = buf.stats()
     return Built(
         RB_FRAMES if frame_stack else RB_TENSOR if kind == "tensor" else RB_MEMMAP,

@@ -31,7 +31,7 @@ from replaybuf.index import (
 from replaybuf.index import full_sequence_starts as qualifies
 from replaybuf.nstep import bootstrap_discount, window_return
 from replaybuf.schema import Key
-from replaybuf.storage import build_tensordict
+from replaybuf.storage import Part, build_tensordict
 
 NArg = int | tuple[int, int]
 
@@ -41,13 +41,18 @@ def _keys(core: EpisodeCore, *groups: str) -> list[Key]:
     return [] if spec is None else [k for k in spec if k[0] in groups]
 
 
+def _zero(value: torch.Tensor) -> bool | int:
+    """A Python zero that keeps ``value``'s dtype in ``torch.where`` (no tensor to allocate)."""
+    return False if value.dtype == torch.bool else 0
+
+
 def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Frames at padding positions (``real`` False, its shape leading ``value``'s) zeroed when
     the padding is ``"zero"``; with ``"reset"`` they already repeat the episode's first frame."""
     if core.frame_padding != "zero":
         return value
     keep = real.reshape(*real.shape, *([1] * (value.dim() - real.dim())))
-    return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+    return torch.where(keep, value, _zero(value))
 
 
 def _observations(core: EpisodeCore, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -115,20 +120,24 @@ def nstep_batch(
     else:
         n_each = n_max = n
     ends, info = _window_values(core, start, n_each, n_max, gamma)
+    obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
+    slots = core.slots
+    if core.frame_stack is None:
+        parts: list[Part] = [(slots.column(key), ends) for key in obs_keys]
+    else:
+        parts = [(stacked, None) for stacked in _observations(core, ends)]
+    parts += [(slots.column(key), start) for key in step_keys]
+    parts += [(value, None) for value in info]
+    delivered = iter(slots.deliver(parts, device))  # one pinned transfer from CPU to CUDA
     keys: list[Key] = []
     values: list[torch.Tensor] = []
-    for key, both in zip(_keys(core, "observation"), _observations(core, ends), strict=True):
+    for key, both in zip(obs_keys, delivered):  # noqa: B905 (a prefix of delivered)
         keys += [key, ("next_observation", *key[1:])]
         values += [both[:batch], both[batch:]]
-    step_keys = _keys(core, "action", "extras")
-    for key, value in zip(step_keys, core.slots.take(start, step_keys), strict=True):
-        keys.append(key[1:] if key[0] == "extras" else key)  # extras come back top-level
-        values.append(value)
+    keys += [key[1:] if key[0] == "extras" else key for key in step_keys]  # extras: top-level
     keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
     keys += [("actual_n",), ("start_step",), ("episode_id",)]
-    values += info
-    if device != start.device:
-        values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
+    values += delivered
     return build_tensordict(keys, values, batch, device)
 
 
@@ -220,7 +229,7 @@ def sequence_batch(
 
         def zero_padding(value: torch.Tensor) -> torch.Tensor:
             keep = mask.reshape(*mask.shape, *([1] * (value.dim() - 2)))
-            return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=device))
+            return torch.where(keep, value, _zero(value))
 
         out = out.apply(zero_padding)
         for name in ("episode_id", "step"):  # 0 is a real id and step: padding says -1

@@ -16,6 +16,7 @@ buffer). What TorchRL lacks is added here, by hand:
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import tempfile
@@ -333,14 +334,7 @@ class SlotStorage:
         """
         leaves = self._leaves if keys is None else [(k, t) for k, t in self._leaves if k in keys]
         rows = slots.shape[0]
-        if self.storing_device.type == "cpu" and device.type == "cuda":
-            values = self._stager.gather_to(leaves, slots, device)
-        else:
-            values = [torch.index_select(t, 0, slots) for _, t in leaves]
-            if device != self.storing_device:
-                # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
-                # the data has arrived, and nothing here would wait for it.
-                values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
+        values = self.deliver([(t, slots) for _, t in leaves], device)
         if keys is None and self._flat_names is not None and _NEW_UNSAFE:
             source = dict(zip(self._flat_names, values, strict=True))
             if extra:
@@ -355,6 +349,19 @@ class SlotStorage:
             names = names + list(extra)
             values = [*values, *extra.values()]
         return build_tensordict(names, values, rows, device)
+
+    def deliver(self, parts: list[Part], device: torch.device) -> list[torch.Tensor]:
+        """Each part's rows (``(tensor, rows)``; ``rows`` None: the whole tensor, computed on
+        the storing device) as a tensor on ``device``. From CPU storage to CUDA every part goes
+        through one pinned buffer and one non-blocking copy."""
+        if self.storing_device.type == "cpu" and device.type == "cuda":
+            return self._stager.deliver(parts, device)
+        values = [t if rows is None else torch.index_select(t, 0, rows) for t, rows in parts]
+        if device != self.storing_device:
+            # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
+            # the data has arrived, and nothing here would wait for it.
+            values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
+        return values
 
     def take(self, slots: torch.Tensor, keys: list[Key]) -> list[torch.Tensor]:
         """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
@@ -457,31 +464,55 @@ _CPU = torch.device("cpu")
 _SET_BOOKKEEPING = ("_set_last_cursor", "_get_new_len", "_bump_mutation_revision")
 
 
-class _PinnedStager:
-    """Gathers CPU rows into reusable pinned buffers, then copies them to CUDA without blocking.
+# A part of a delivery: a CPU tensor and the rows to gather from it (None: all of it, as is).
+Part = tuple[torch.Tensor, torch.Tensor | None]
 
-    Two buffer sets per batch shape alternate; before a set is refilled we wait on the CUDA event
-    recorded after its last copy, so a non-blocking copy is never overwritten mid-flight. Only
-    the most recently used batch shapes keep their buffers (``sample_all`` on a growing buffer
-    asks for a new shape each time); dropping a set is safe, as PyTorch's pinned allocator
-    holds a block until the copies recorded on it finish.
+
+def _part_layout(parts: list[Part]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """The shape and dtype each part takes in a delivered batch."""
+    return tuple(
+        ((t.shape[0] if rows is None else rows.shape[0], *t.shape[1:]), t.dtype)
+        for t, rows in parts
+    )
+
+
+def _views(flat: torch.Tensor, offsets: list[int], layout) -> list[torch.Tensor]:
+    """Typed views of a byte buffer, one per part of ``layout`` at its byte offset."""
+    out = []
+    for offset, (shape, dtype) in zip(offsets, layout, strict=True):
+        size = math.prod(shape) * dtype.itemsize
+        out.append(flat[offset : offset + size].view(dtype).view(shape))
+    return out
+
+
+class _PinnedStager:
+    """Gathers CPU rows into one reusable pinned buffer, then copies it to CUDA in one transfer.
+
+    Every part of a batch (each field's rows, and small tensors computed on the host) lands in
+    its own 64-byte-aligned slice of one pinned byte buffer, so a batch costs one non-blocking
+    host-to-device copy instead of one per field; the batch's tensors are typed views of the
+    device copy. Two buffers per batch layout alternate; before one is refilled we wait on the
+    CUDA event recorded after its last copy, so a non-blocking copy is never overwritten
+    mid-flight. Only the most recently used layouts keep their buffers (``sample_all`` on a
+    growing buffer asks for a new shape each time); dropping one is safe, as PyTorch's pinned
+    allocator holds a block until the copies recorded on it finish.
     """
 
     max_shapes = 8
+    align = 64
 
     def __init__(self) -> None:
-        self._sets: dict[tuple, list[tuple[list[torch.Tensor], torch.cuda.Event | None]]] = {}
+        self._sets: dict[tuple, list[tuple[torch.Tensor, list[int], Any]]] = {}
         self._turn: dict[tuple, int] = {}
 
     def clear(self) -> None:
         self._sets.clear()
         self._turn.clear()
 
-    def gather_to(
-        self, leaves: list[tuple[Key, torch.Tensor]], slots: torch.Tensor, device: torch.device
-    ) -> list[torch.Tensor]:
-        rows = slots.shape[0]
-        signature = (rows, device, tuple(k for k, _ in leaves))
+    def deliver(self, parts: list[Part], device: torch.device) -> list[torch.Tensor]:
+        """Each part's rows (or the part itself) as a tensor on CUDA ``device``."""
+        layout = _part_layout(parts)
+        signature = (device, layout)
         sets = self._sets.pop(signature, [])
         self._sets[signature] = sets  # most recently used last
         if len(self._sets) > self.max_shapes:
@@ -491,18 +522,22 @@ class _PinnedStager:
         turn = self._turn.get(signature, 0)
         self._turn[signature] = turn ^ 1
         if len(sets) <= turn:
-            buffers = [
-                torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for _, t in leaves
-            ]
-            sets.append((buffers, None))
-        buffers, event = sets[turn]
+            offsets, size = [], 0
+            for shape, dtype in layout:
+                offsets.append(size)
+                size += -(-math.prod(shape) * dtype.itemsize // self.align) * self.align
+            sets.append((torch.empty(size, dtype=torch.uint8, pin_memory=True), offsets, None))
+        host, offsets, event = sets[turn]
         if event is not None:
             event.synchronize()
-        for (_, t), buf in zip(leaves, buffers, strict=True):
-            torch.index_select(t, 0, slots, out=buf)
+        for (t, rows), view in zip(parts, _views(host, offsets, layout), strict=True):
+            if rows is None:
+                view.copy_(t)
+            else:
+                torch.index_select(t, 0, rows, out=view)
         with torch.cuda.device(device):
-            out = [buf.to(device, non_blocking=True) for buf in buffers]
+            flat = host.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        sets[turn] = (buffers, event)
-        return out
+        sets[turn] = (host, offsets, event)
+        return _views(flat, offsets, layout)

@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -555,3 +555,48 @@ def test_sample_masses_numpy_and_torch_paths_agree_bit_for_bit(seed, total, batc
     assert by_numpy.dtype == by_torch.dtype == torch.float64
     assert torch.equal(by_numpy, by_torch)
     assert bool(((by_numpy > 0) & (by_numpy <= total)).all())
+
+
+@pytest.fixture
+def flat(monkeypatch):
+    """The torch backend's flat cumulative sums (CUDA's draw), forced on the CPU."""
+    monkeypatch.setattr(priority, "FLAT_DEVICES", ("cpu", "cuda"))
+
+
+def test_flat_draws_follow_weight_over_total_and_skip_absent_items(flat):
+    index = index_with("torch", UNEVEN)
+    assert index._cumulative is not None
+    assert chi_square_p(draw(index, 200_000, 0), UNEVEN) > 1e-3
+    index.set(torch.tensor([1, 8]), torch.tensor([0.0, 0.0]))  # the two heaviest leave
+    after = [0 if i in (1, 8) else w for i, w in enumerate(UNEVEN)]
+    assert chi_square_p(draw(index, 200_000, 1), after) > 1e-3
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    weights=st.lists(
+        st.one_of(st.just(0.0), st.floats(1e-30, 1e30, allow_subnormal=False)),
+        min_size=1,
+        max_size=300,
+    ).filter(lambda w: any(x > 0 for x in w)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_flat_draws_own_their_mass_and_have_positive_weight(flat, weights, seed):
+    """Each drawn item i is the first whose cumulative units reach the mass: the sums before
+    it are < u <= its own, and its weight is positive (the blocked path's contract)."""
+    index = index_with("torch", weights)
+    cumulative = index._cumulative
+    masses = index._flat_masses(64, torch.Generator().manual_seed(seed))
+    assert masses.min() >= 1
+    assert masses.max() <= cumulative[-1]
+    items = torch.searchsorted(cumulative, masses)
+    stored = torch.tensor(weights, dtype=torch.float32).double()
+    for u, i in zip(masses.tolist(), items.tolist(), strict=True):
+        assert stored[i] > 0
+        assert cumulative[i] >= u
+        assert i == 0 or cumulative[i - 1] < u
+    drawn, got = index.sample_weighted(64, torch.Generator().manual_seed(seed), torch.float64)
+    assert torch.equal(drawn, items)
+    assert torch.equal(got, stored[drawn])
