@@ -11,7 +11,7 @@ EXTRAS ?= dev,examples,sb3,ray,bench
 
 BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
 
-.PHONY: demo test lint bench bench-quick bench-detail clean
+.PHONY: demo test lint bench bench-quick bench-detail bench-cuda clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench-quick: $(VENV)/.installed
 # The per-issue benchmarks (prioritized replay, episodes, checkpoints, ...), beside raw TorchRL.
 bench-detail: $(VENV)/.installed
 	for b in $(BENCHES); do $(PY) benchmarks/$$b.py || exit 1; done
+
+# The CUDA section of issue 6 (GPU storage, CPU memmap -> GPU, inserts): needs a CUDA device.
+bench-cuda: $(VENV)/.installed
+	$(PY) benchmarks/bench_cuda.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

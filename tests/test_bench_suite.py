@@ -26,7 +26,7 @@ def bench():
     try:
         yield {
             name: importlib.import_module(name)
-            for name in ("harness", "peers", "nstep_check", "suite")
+            for name in ("harness", "peers", "nstep_check", "suite", "bench_cuda")
         }
     finally:
         sys.path.remove(str(BENCHMARKS))
@@ -124,3 +124,23 @@ def test_tiny_suite_runs_every_section(bench, tmp_path, one_thread):
     suite.plot(report, png)
     assert png.stat().st_size > 0
     assert not list(tmp_path.glob("replaybuf-*"))  # every buffer closed
+
+
+@pytest.mark.slow
+def test_cuda_bench_runs_every_section_on_the_cpu(bench, tmp_path, capsys):
+    """bench_cuda.py's code paths without a GPU (``--device cpu``); on CUDA it is run by hand."""
+    out = tmp_path / "bench_cuda.json"
+    assert bench["bench_cuda"].main(["--tiny", "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    sections = {row["section"] for row in report["rows"]}
+    assert sections == {"GPU storage", "CPU memmap -> GPU", "inserts into GPU storage"}
+    assert {row["verdict"] for row in report["rows"]} <= {"PASS", "FAIL", "-"}
+    assert all(row["syncs"] in ("", "n/a") for row in report["rows"])  # only checked on CUDA
+    assert report["gpu_storage"]["w3_bytes_per_step"]["replaybuf frame_stack=4"] < 8_000
+    assert "| W1 sample_batch(256) |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_bench_without_a_gpu_says_so(bench, capsys):
+    assert bench["bench_cuda"].main(["--tiny"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
