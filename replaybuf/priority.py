@@ -117,6 +117,25 @@ def locate(
     return torch.add(column.squeeze_(1), block, alpha=width), weights
 
 
+def locate_host(
+    starts: np.ndarray, leaves: np.ndarray, masses: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`locate` in numpy, for an index on the CPU: the same IEEE operations (a
+    sequential row cumsum, the same comparisons), at a fraction of torch's per-call cost for
+    a few hundred draws (see the module docstring of :mod:`replaybuf.index`)."""
+    nb, width = leaves.shape
+    block = np.searchsorted(starts[1:], masses)  # [B] first starts[b + 1] >= u
+    np.minimum(block, nb - 1, out=block)
+    inside = masses - starts[block]  # [B] > 0
+    rows = leaves[block]  # [B, F]
+    # torch's row cumsum: the same sequential sums, ~5x faster than numpy's along the last axis.
+    running = torch.cumsum(torch.from_numpy(rows), 1).numpy()  # [B, F]
+    np.minimum(inside, running[:, -1], out=inside)  # round-off: u' <= the row's own total
+    column = (running < inside[:, None]).sum(1)  # [B] first c_j >= u'
+    weights = rows[np.arange(rows.shape[0]), column]  # [B]
+    return column + block * width, weights
+
+
 def nearest_positive(items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each item moved to the nearest item of positive weight at or before it (else after it)."""
     positive = torch.nonzero(weights > 0).flatten()  # [m] sorted, m >= 1 when total > 0
@@ -406,6 +425,11 @@ class TorchPriorityIndex(PriorityIndex):
         if self._cumulative is not None:  # the first sum >= u: a present item
             items = torch.searchsorted(self._cumulative, self._flat_masses(batch_size, generator))
             return items, self._leaves.view(-1).index_select(0, items)
+        if self.device.type == "cpu":  # numpy views of the same tensors (written in place)
+            starts, leaves = self._starts.numpy(), self._leaves.numpy()
+            masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
+            items, weights = locate_host(starts, leaves, masses)
+            return torch.from_numpy(items), torch.from_numpy(weights)
         masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
         return locate(self._starts, self._leaves, masses)
 

@@ -24,6 +24,7 @@ from replaybuf.priority import (
     BACKEND_ENV,
     block_width,
     locate,
+    locate_host,
     make_priority_index,
     segment_tree_unavailable_reason,
 )
@@ -600,3 +601,23 @@ def test_flat_draws_own_their_mass_and_have_positive_weight(flat, weights, seed)
     drawn, got = index.sample_weighted(64, torch.Generator().manual_seed(seed), torch.float64)
     assert torch.equal(drawn, items)
     assert torch.equal(got, stored[drawn])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-20, 1e20)), min_size=1, max_size=200),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_locate_numpy_and_torch_paths_agree_bit_for_bit(weights, seed):
+    """The CPU index draws with :func:`locate_host` (numpy); CUDA's blocks use :func:`locate`."""
+    index = index_with("torch", weights)
+    if index.total() == 0:
+        return
+    generator = torch.Generator().manual_seed(seed)
+    masses = torch.rand(128, dtype=torch.float64, generator=generator).mul_(index.total())
+    masses = torch.where(masses > 0, masses, index.total())  # (0, total]
+    items, got = locate(index._starts, index._leaves, masses)
+    host_items, host_got = locate_host(index._starts.numpy(), index._leaves.numpy(), masses.numpy())
+    assert np.array_equal(items.numpy(), host_items)
+    assert np.array_equal(got.numpy(), host_got)
+    assert (host_got > 0).all()
