@@ -68,7 +68,7 @@ QUICK = Config("quick", 100_000, 100, 1_000, 10, 1_000, 100, 7, (256, 4_096, 65_
 TINY = Config("tiny", 3_000, 6, 100, 2, 40, 3, 2, (256, 1_024))
 CONFIGS = {c.name: c for c in (FULL, QUICK, TINY)}
 BATCH, N, GAMMA = 256, 3, 0.99
-SEQ_BATCH, SEQ_LEN, PIXEL_BATCH, ENVS, CHUNK = 32, 16, 32, 64, 1_000
+SEQ_BATCH, SEQ_LEN, LONG_SEQ, PIXEL_BATCH, ENVS, CHUNK = 32, 16, 80, 32, 64, 1_000
 
 
 def log(message: str) -> None:
@@ -194,11 +194,11 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
     length = cfg.ep_len
     seq_g = torch.Generator(device=device).manual_seed(0)
 
-    def floor_sequences() -> dict[str, torch.Tensor]:
-        """Anchors with ``SEQ_LEN`` steps ahead in their episode, then ``[B, L]`` gathers."""
+    def floor_sequences(seq_len: int = SEQ_LEN) -> dict[str, torch.Tensor]:
+        """Anchors with ``seq_len`` steps ahead in their episode, then ``[B, L]`` gathers."""
         episode = torch.randint(0, eps.count, (SEQ_BATCH,), generator=seq_g, device=device)
-        t = torch.randint(0, length - SEQ_LEN + 1, (SEQ_BATCH,), generator=seq_g, device=device)
-        rows = (episode * length + t).unsqueeze(1) + torch.arange(SEQ_LEN, device=device)
+        t = torch.randint(0, length - seq_len + 1, (SEQ_BATCH,), generator=seq_g, device=device)
+        rows = (episode * length + t).unsqueeze(1) + torch.arange(seq_len, device=device)
         flat = rows.reshape(-1)
         return {
             "observation": flat_obs.index_select(0, flat),
@@ -237,6 +237,11 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
     }
     out["sequences"] = round_robin(fns, cfg, device)
     out["sequences_syncs"] = {name: host_syncs(fn, device) for name, fn in fns.items()}
+    fns = {  # R2D2's length
+        "floor": lambda: floor_sequences(LONG_SEQ),
+        "replaybuf strict": lambda: ours.sample_sequences(SEQ_BATCH, LONG_SEQ),
+    }
+    out["long_sequences"] = round_robin(fns, cfg, device)
     ours.close()
     ours_per.close()
 
@@ -563,6 +568,7 @@ def rows(res: dict[str, Any]) -> list[Row]:
         1.5,
         gpu["sequences_syncs"],
     )
+    vs(g, "sample_sequences(32, 80)", gpu["long_sequences"], "replaybuf strict", "floor", 1.5)
     vs(g, "W3 pixels sample_n_step(32)", gpu["w3"], "replaybuf", "floor", 1.5, gpu["w3_syncs"])
     vs(g, "W3 frame_stack=4", gpu["w3"], "replaybuf frame_stack=4", "floor", 1.5, gpu["w3_syncs"])
     h = "CPU memmap -> GPU"

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from replaybuf.anchors import AnchorSet
 from replaybuf.errors import EpisodeStateError, InsufficientSpaceError, ReplayBufError, SchemaError
 from replaybuf.fastrow import RowPlan
-from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED
+from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED, jump_tables
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
@@ -133,6 +133,9 @@ class RowLinks:
         self.prev_row: torch.Tensor | None = (
             torch.full((capacity,), -1, dtype=torch.long, device=device) if backward else None
         )
+        self.version = 0  # bumped whenever succ changes: invalidates the jump tables
+        self._jumps: list[torch.Tensor] = []  # index.jump_tables of succ, built on demand
+        self._jumps_version = 0
         # numpy views of the columns the n-step sampler reads, for CPU storage (None on CUDA):
         # they share memory with the tensors, which are only ever written in place.
         self.host: HostLinks | None = None
@@ -150,12 +153,21 @@ class RowLinks:
         """Set ``next_row[rows] = next_rows`` (-1: no successor) and keep ``succ`` in step."""
         self.next_row[rows] = next_rows
         self.succ[rows] = torch.where(next_rows >= 0, next_rows, rows)
+        self.version += 1
+
+    def jumps(self, levels: int) -> list[torch.Tensor]:
+        """``index.jump_tables`` of ``succ`` (succ^1, succ^2, succ^4, ...), kept until the
+        links change; for walks on CUDA (8 bytes a row per level, built on first use)."""
+        if self._jumps_version != self.version:
+            self._jumps, self._jumps_version = [], self.version
+        return jump_tables(self.succ, levels, self._jumps)
 
     def relink(self) -> None:
         """Recompute ``succ`` and ``prev_row`` from ``next_row`` (after a checkpoint restored
         the links)."""
         rows = torch.arange(self.next_row.shape[0], device=self.next_row.device)
         self.succ.copy_(torch.where(self.next_row >= 0, self.next_row, rows))
+        self.version += 1
         if self.prev_row is None:
             return
         self.prev_row.fill_(-1)

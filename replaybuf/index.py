@@ -103,6 +103,10 @@ def nstep_windows(
         else:
             last = rows.gather(0, m.unsqueeze(0)).squeeze(0)
     kind = gather(end_kind, last)
+    if n_max == 1:  # m = n = 1: never cut
+        cut = (np if host else torch).zeros_like(kind, dtype=bool)
+    else:
+        cut = (m < n) & (kind == END_NONE)
     return Windows(
         rows=rows,
         valid=valid,
@@ -110,7 +114,7 @@ def nstep_windows(
         last_row=last,
         terminal=kind == END_TERMINATED,
         truncated=kind == END_TRUNCATED,
-        cut=(m < n) & (kind == END_NONE),
+        cut=cut,
     )
 
 
@@ -124,6 +128,69 @@ def sequence_rows(start: Array, length: int, succ: Array) -> tuple[Array, Array]
     chain = walk(start, length, succ)
     stacked = np.stack(chain, 1) if isinstance(start, np.ndarray) else torch.stack(chain, 1)
     return stacked, stacked[:, 1:] != stacked[:, :-1]
+
+
+def jump_levels(steps: int) -> int:
+    """Jump tables needed to walk ``steps`` >= 1 links: succ^1, succ^2, ..., succ^(2^(k-1))
+    with 2^k > steps."""
+    return max(1, steps.bit_length())
+
+
+def jump_tables(succ: torch.Tensor, levels: int, known: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[succ, succ^2, succ^4, ...]`` (``levels`` tables, succ^(2^k) = succ^(2^(k-1)) applied
+    twice), extending ``known`` (a prefix of the same list, possibly empty) in place.
+
+    Self-loops are fixed points, so a jump past an episode's end stays at its last row, as
+    the step-by-step walk does. Used on CUDA, where a walk of L steps is then about log2(L)
+    gathers instead of L kernel launches; rebuilding a level is one gather over all rows.
+    """
+    if not known:
+        known.append(succ)
+    while len(known) < levels:
+        known.append(known[-1].index_select(0, known[-1]))
+    return known[:levels]
+
+
+def jump(rows: torch.Tensor, steps: int, jumps: list[torch.Tensor]) -> torch.Tensor:
+    """succ^steps of ``rows``: one gather per set bit of ``steps`` (``jumps`` long enough)."""
+    level = 0
+    while steps:
+        if steps & 1:
+            rows = jumps[level].index_select(0, rows.reshape(-1)).reshape(rows.shape)
+        steps >>= 1
+        level += 1
+    return rows
+
+
+def sequence_rows_by_jumps(
+    start: torch.Tensor, length: int, jumps: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_rows` with jump tables (``jump_levels(length)`` of them).
+
+    Built time-major, ``[length + 1, B]``: positions 2^k .. 2^(k+1)-1 are table k applied to
+    positions 0 .. 2^k-1, one ``index_select`` into a contiguous slice per level; returned
+    batch-major (a transposed view).
+    """
+    batch = start.shape[0]
+    chain = torch.empty((length + 1, batch), dtype=start.dtype, device=start.device)
+    chain[0] = start
+    done, level = 1, 0
+    while done < length + 1:
+        need = min(done, length + 1 - done)
+        torch.index_select(
+            jumps[level], 0, chain[:need].view(-1), out=chain[done : done + need].view(-1)
+        )
+        done, level = done + need, level + 1
+    rows = chain.t()  # [B, length + 1]
+    return rows, rows[:, 1:] != rows[:, :-1]
+
+
+def full_sequence_starts_by_jumps(
+    anchors: torch.Tensor, length: int, jumps: list[torch.Tensor]
+) -> torch.Tensor:
+    """:func:`full_sequence_starts` with jump tables (``jump_levels(length)`` of them)."""
+    before_last = jump(anchors, length - 1, jumps)
+    return jumps[0].index_select(0, before_last) != before_last
 
 
 def full_sequence_starts(anchors: Array, length: int, succ: Array) -> Array:

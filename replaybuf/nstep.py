@@ -98,6 +98,9 @@ def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
             powers = _host_powers(gamma, n)[:n]
         return powers @ np.where(valid, rewards, rewards.dtype.type(0))
     dtype = return_dtype(rewards.dtype)
+    if n == 1:  # one step: no weights, no sum (on CUDA each is a kernel launch)
+        keep = valid[0].reshape(*valid.shape[1:], *([1] * (rewards.dim() - 2)))
+        return torch.where(keep, rewards[0].to(dtype), 0.0)
     powers = discount_powers(gamma, n, rewards.device)[:n]  # [n]
     if dtype == torch.float64:
         powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)

@@ -23,8 +23,11 @@ from replaybuf.errors import EmptyBufferError
 from replaybuf.index import (
     END_TERMINATED,
     END_TRUNCATED,
+    full_sequence_starts_by_jumps,
+    jump_levels,
     nstep_windows,
     sequence_rows,
+    sequence_rows_by_jumps,
     stack_rows,
     stack_windows,
 )
@@ -191,7 +194,10 @@ def sequence_batch(
     links, host = core.links, core.links.host
     batch = start.shape[0]
     if host is None:
-        obs_rows, mask = sequence_rows(start, length, links.succ)  # [B, L + 1], [B, L]
+        # A walk of ``length`` links in ~log2(length) gathers (jump tables: kernel launches,
+        # not bytes, are what a CUDA walk costs).
+        jumps = links.jumps(jump_levels(length))
+        obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)  # [B, L + 1], [B, L]
         next_kind = links.end_kind[obs_rows[:, 1:]]  # [B, L]
         step = links.step[obs_rows[:, :length]]
         episode = links.episode.index_select(0, start)
@@ -346,7 +352,7 @@ def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch
     """:func:`replaybuf.index.full_sequence_starts` of ``anchors``, in numpy for CPU storage."""
     host = core.links.host
     if host is None:
-        return qualifies(anchors, length, core.links.succ)
+        return full_sequence_starts_by_jumps(anchors, length, core.links.jumps(jump_levels(length)))
     return torch.from_numpy(qualifies(anchors.numpy(), length, host.succ))
 
 

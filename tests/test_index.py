@@ -20,8 +20,13 @@ from replaybuf.index import (
     END_TRUNCATED,
     Windows,
     full_sequence_starts,
+    full_sequence_starts_by_jumps,
+    jump,
+    jump_levels,
+    jump_tables,
     nstep_windows,
     sequence_rows,
+    sequence_rows_by_jumps,
 )
 
 
@@ -47,6 +52,7 @@ def successors(next_row: torch.Tensor) -> torch.Tensor:
 
 
 BACKENDS = ["torch", "numpy"]
+SEQUENCE_BACKENDS = [*BACKENDS, "jumps"]  # sequences also walk by jump tables on CUDA
 
 
 def windows(episodes, rows, start, n, n_max=None, backend="torch"):
@@ -152,11 +158,15 @@ def sequences(episodes, rows, start, length, backend="torch"):
         full = full_sequence_starts(start.numpy(), length, succ.numpy())
         assert all(isinstance(v, np.ndarray) for v in (obs_rows, mask, full))
         return torch.from_numpy(obs_rows), torch.from_numpy(mask), torch.from_numpy(full)
+    if backend == "jumps":  # CUDA's walk: doubling jump tables
+        jumps = jump_tables(succ, jump_levels(length), [])
+        obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)
+        return obs_rows, mask, full_sequence_starts_by_jumps(start, length, jumps)
     obs_rows, mask = sequence_rows(start, length, succ)
     return obs_rows, mask, full_sequence_starts(start, length, succ)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SEQUENCE_BACKENDS)
 def test_sequence_rows_pad_past_episode_end_with_last_real_row(backend):
     # terminated, 2 steps: rows 7 -> 3 -> 5 (final); length 4 from t=0
     obs_rows, mask, _ = sequences([([7, 3, 5], END_TERMINATED)], 8, [7, 3], 4, backend)
@@ -265,9 +275,9 @@ def test_sequence_rows_and_full_starts_match_the_loop_oracle(layout, data):
     if not starts:
         return
     picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
-    length = data.draw(st.integers(1, 8))
+    length = data.draw(st.integers(1, 20))
     start = [episodes[e][0][t] for e, t in picks]
-    backend = data.draw(st.sampled_from(BACKENDS))
+    backend = data.draw(st.sampled_from(SEQUENCE_BACKENDS))
     obs_rows, mask, full = sequences(episodes, rows, start, length, backend)
     for i, (e, t) in enumerate(picks):
         want_rows, want_mask = oracle_sequence(episodes[e][0], t, length)
@@ -282,3 +292,25 @@ def test_windows_accept_an_empty_batch(n, backend):
     w = windows([([0, 1], END_TERMINATED)], 2, [], n, 3, backend)
     assert w.rows.shape == (0, 4)
     assert w.m.shape == (0,)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layout=layouts(), steps=st.integers(0, 40), data=st.data())
+def test_a_jump_equals_that_many_single_steps(layout, steps, data):
+    episodes, rows = layout
+    succ = successors(link(episodes, rows)[0])
+    start = torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=6)))
+    want = start
+    for _ in range(steps):
+        want = succ[want]
+    jumps = jump_tables(succ, jump_levels(max(steps, 1)), [])
+    assert torch.equal(jump(start, steps, jumps), want)
+
+
+def test_jump_tables_extend_what_is_known_and_levels_cover_the_walk():
+    succ = torch.tensor([1, 2, 3, 3])  # one episode: rows 0 -> 1 -> 2 -> 3 (self-loop)
+    known: list[torch.Tensor] = []
+    assert [t.tolist() for t in jump_tables(succ, 2, known)] == [[1, 2, 3, 3], [2, 3, 3, 3]]
+    assert len(known) == 2
+    assert jump_tables(succ, 3, known)[2].tolist() == [3, 3, 3, 3]
+    assert [jump_levels(n) for n in (1, 2, 3, 4, 16, 80)] == [1, 2, 2, 3, 5, 7]
