@@ -400,15 +400,26 @@ class ReplayBuffer:
                 )
             else:
                 order = self._oldest_first()
-            for slots in epoch_batches(order, batch_size, drop_last):
+                oldest = self._pointer if self._size == self.buffer_size else 0  # order[0]
+            for number, slots in enumerate(epoch_batches(order, batch_size, drop_last)):
                 self._check_open()
                 if self._resets != resets:
                     raise RuntimeError(
                         "epoch iterator expected the rows it planned, got a buffer reset since; "
                         "create a new iterator"
                     )
-                extra = None if self._priorities is None else self._priority_keys(slots, None)
-                yield self._slots.gather(slots, self.device, extra=extra)
+                if self._priorities is not None:
+                    extra = self._priority_keys(slots, None)
+                    yield self._slots.gather(slots, self.device, extra=extra)
+                elif shuffle:
+                    yield self._slots.gather(slots, self.device)
+                else:  # consecutive slots unless the batch wraps: one copy per field
+                    first = (oldest + number * batch_size) % self.buffer_size
+                    count = slots.shape[0]
+                    if first + count <= self.buffer_size:
+                        yield self._slots.gather(slice(first, first + count), self.device)
+                    else:
+                        yield self._slots.gather(slots, self.device)
 
     def get_next_batch(self, batch_size: int) -> TensorDict:
         """The next batch of the installed epoch iterator, else a uniform random batch.

@@ -327,13 +327,14 @@ class SlotStorage:
         keys: list[Key] | None = None,
         extra: dict[Key, torch.Tensor] | None = None,
     ) -> TensorDict:
-        """Rows at ``slots`` (a long tensor on the storing device) as a TensorDict on ``device``.
+        """Rows at ``slots`` (a long tensor on the storing device, or a ``slice`` of
+        consecutive slots: one copy per field instead of a gather) as a TensorDict on ``device``.
 
         ``extra`` maps further keys to ``[rows, ...]`` tensors already on ``device``; they join
         the same TensorDict construction (cheaper than setting them afterwards).
         """
         leaves = self._leaves if keys is None else [(k, t) for k, t in self._leaves if k in keys]
-        rows = slots.shape[0]
+        rows = _count(slots)
         values = self.deliver([(t, slots) for _, t in leaves], device)
         if keys is None and self._flat_names is not None and _NEW_UNSAFE:
             source = dict(zip(self._flat_names, values, strict=True))
@@ -356,7 +357,7 @@ class SlotStorage:
         through one pinned buffer and one non-blocking copy."""
         if self.storing_device.type == "cpu" and device.type == "cuda":
             return self._stager.deliver(parts, device)
-        values = [t if rows is None else torch.index_select(t, 0, rows) for t, rows in parts]
+        values = [_rows_of(t, rows) for t, rows in parts]
         if device != self.storing_device:
             # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
             # the data has arrived, and nothing here would wait for it.
@@ -464,15 +465,28 @@ _CPU = torch.device("cpu")
 _SET_BOOKKEEPING = ("_set_last_cursor", "_get_new_len", "_bump_mutation_revision")
 
 
-# A part of a delivery: a CPU tensor and the rows to gather from it (None: all of it, as is).
-Part = tuple[torch.Tensor, torch.Tensor | None]
+# A part of a delivery: a tensor and the rows to take from it: a long tensor of rows, a slice
+# of consecutive rows, or None for all of it, as is.
+Part = tuple[torch.Tensor, "torch.Tensor | slice | None"]
+
+
+def _count(rows: torch.Tensor | slice) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.shape[0]
+
+
+def _rows_of(column: torch.Tensor, rows: torch.Tensor | slice | None) -> torch.Tensor:
+    """A new tensor holding ``column``'s rows (never a view of stored data)."""
+    if rows is None:
+        return column
+    if isinstance(rows, slice):
+        return column[rows].clone()
+    return torch.index_select(column, 0, rows)
 
 
 def _part_layout(parts: list[Part]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     """The shape and dtype each part takes in a delivered batch."""
     return tuple(
-        ((t.shape[0] if rows is None else rows.shape[0], *t.shape[1:]), t.dtype)
-        for t, rows in parts
+        ((t.shape[0] if rows is None else _count(rows), *t.shape[1:]), t.dtype) for t, rows in parts
     )
 
 
@@ -502,7 +516,8 @@ class _PinnedStager:
     align = 64
 
     def __init__(self) -> None:
-        self._sets: dict[tuple, list[tuple[torch.Tensor, list[int], Any]]] = {}
+        # Per layout: up to two (pinned bytes, offsets, typed views of them, CUDA event).
+        self._sets: dict[tuple, list[tuple[torch.Tensor, list[int], list[torch.Tensor], Any]]] = {}
         self._turn: dict[tuple, int] = {}
 
     def clear(self) -> None:
@@ -526,18 +541,21 @@ class _PinnedStager:
             for shape, dtype in layout:
                 offsets.append(size)
                 size += -(-math.prod(shape) * dtype.itemsize // self.align) * self.align
-            sets.append((torch.empty(size, dtype=torch.uint8, pin_memory=True), offsets, None))
-        host, offsets, event = sets[turn]
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            sets.append((host, offsets, _views(host, offsets, layout), None))
+        host, offsets, views, event = sets[turn]
         if event is not None:
             event.synchronize()
-        for (t, rows), view in zip(parts, _views(host, offsets, layout), strict=True):
+        for (t, rows), view in zip(parts, views, strict=True):
             if rows is None:
                 view.copy_(t)
+            elif isinstance(rows, slice):
+                view.copy_(t[rows])
             else:
                 torch.index_select(t, 0, rows, out=view)
         with torch.cuda.device(device):
             flat = host.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        sets[turn] = (host, offsets, event)
+        sets[turn] = (host, offsets, views, event)
         return _views(flat, offsets, layout)

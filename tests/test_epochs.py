@@ -67,6 +67,16 @@ def test_unshuffled_epoch_goes_oldest_first_after_wrap(make_buffer, storage):
     assert batches == [[3, 4], [5, 6], [7]]
 
 
+def test_unshuffled_batches_are_copies_not_views_of_the_storage(make_buffer, storage):
+    # Consecutive slots are copied as a slice (one copy per field): the copy must be the
+    # caller's own, as a gather's is.
+    buf = _filled(make_buffer, 8, 8, storage=storage)
+    for batch in buf.create_epoch_iterator(4, shuffle=False):
+        for leaf in batch.values(include_nested=True, leaves_only=True):
+            leaf.zero_()
+    assert ids_of(buf.sample_by_index(range(8))) == list(range(8))
+
+
 def test_shuffled_epochs_differ_from_each_other_and_from_stored_order(make_buffer):
     buf = _filled(make_buffer, 64, 64)
     first, second = (
