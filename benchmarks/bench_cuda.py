@@ -344,9 +344,8 @@ def section_host_to_gpu(cfg: Config, device: torch.device, scratch: Path) -> dic
             for a in range(0, epoch_bytes, step):
                 target[a : a + step].copy_(host[a : a + step], non_blocking=True)
 
-        def ours(batch: int = batch, shuffle: bool = True) -> None:
-            for _ in buf.create_epoch_iterator(batch, shuffle=shuffle):
-                pass
+        def ours(batch: int = batch, shuffle: bool = True) -> int:
+            return sum(b.batch_size[0] for b in buf.create_epoch_iterator(batch, shuffle=shuffle))
 
         gather = PinnedFloor(columns, batch, device)
 

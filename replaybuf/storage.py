@@ -475,7 +475,8 @@ def _count(rows: torch.Tensor | slice) -> int:
 
 
 def _rows_of(column: torch.Tensor, rows: torch.Tensor | slice | None) -> torch.Tensor:
-    """A new tensor holding ``column``'s rows (never a view of stored data)."""
+    """``column``'s rows as a new tensor, never a view of stored data (``rows`` None:
+    ``column`` itself, a value computed for this batch)."""
     if rows is None:
         return column
     if isinstance(rows, slice):
