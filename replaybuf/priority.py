@@ -26,13 +26,14 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
 
   On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` also rebuilds one flat
   cumulative sum over all items (a few kernels; cheap on a GPU, ~1 ms at 1M items on a CPU),
-  and a draw is one ``searchsorted`` in it: ~7 kernels instead of ~15, and the GPU's cost per
-  draw is kernel launches, not arithmetic. The flat sums are integers: item i gets
-  ceil(w_i · 2**62 / total) units (>= 1 when w_i > 0, 0 when absent). Integer addition is
-  exact in any order, so a parallel scan gives an absent item exactly its predecessor's sum
-  and the first sum >= u (u in [1, last sum]) always belongs to a present item; float sums
-  from a parallel scan can differ in the last bit there. Rounding up moves an item's share by
-  at most 1 unit in 2**62 of the total, relatively ~2**-40 for an average item of 1M.
+  and a draw is one ``randint`` and one ``searchsorted`` in it: ~4 kernels instead of ~15,
+  and the GPU's cost per draw is kernel launches, not arithmetic. The flat sums are integers:
+  item i gets ceil(w_i · 2**62 / total) units (>= 1 when w_i > 0, 0 when absent). Integer
+  addition is exact in any order, so a parallel scan gives an absent item exactly its
+  predecessor's sum and the first sum >= u (u in [1, last sum]) always belongs to a present
+  item; float sums from a parallel scan can differ in the last bit there. Rounding up moves
+  an item's share by at most 1 unit in 2**62 of the total, relatively ~2**-40 for an average
+  item of 1M.
 
 Why float64 sums: at 1,000,000 items a float32 sum and a float32 uniform number resolve only
 ~2**24 steps of the total: an average item would own ~17 of them (±6 % bias). Sums are always
@@ -365,6 +366,7 @@ class TorchPriorityIndex(PriorityIndex):
         self._extremes = leaf_extremes(torch.zeros(blocks, device=device))
         # [nb * F] int64 cumulative units (see the module docstring), on FLAT_DEVICES only.
         self._cumulative: torch.Tensor | None = None
+        self._top = 0  # the last cumulative unit, on the host
         if device.type in FLAT_DEVICES:
             self._cumulative = torch.zeros(blocks * self._width, dtype=torch.long, device=device)
 
@@ -399,12 +401,11 @@ class TorchPriorityIndex(PriorityIndex):
         torch.cumsum(units, 0, out=self._cumulative)
 
     def _flat_masses(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        """``batch_size`` int64 masses uniform on [1, last cumulative unit]."""
-        top = self._cumulative[-1]  # type: ignore[index]
-        uniform = torch.rand(
-            batch_size, generator=generator, device=self.device, dtype=torch.float64
+        """``batch_size`` int64 masses uniform on [1, last cumulative unit] (one kernel: the
+        top is read on the host when the weights change, not per draw)."""
+        return torch.randint(
+            1, self._top + 1, (batch_size,), generator=generator, device=self.device
         )
-        return uniform.mul_(top).long().add_(1).clamp_max_(top)  # [B]
 
     def _read(self, items: torch.Tensor) -> torch.Tensor:
         return self._leaves.view(-1).index_select(0, items).float()
@@ -417,6 +418,8 @@ class TorchPriorityIndex(PriorityIndex):
     def _read_stats(self) -> tuple[float, float, float]:
         ends = self._extremes.amin(0).double()  # [2]
         total, smallest, negated_max = torch.cat([self._starts[-1:], ends]).tolist()  # one sync
+        if self._cumulative is not None:  # the exact int64 top for randint (a second sync)
+            self._top = int(self._cumulative[-1])
         return total, smallest, 0.0 - negated_max
 
     def _sample(
