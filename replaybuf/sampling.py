@@ -58,13 +58,12 @@ def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) ->
     return torch.where(keep, value, _zero(value))
 
 
-def _observations(core: EpisodeCore, rows: torch.Tensor) -> list[torch.Tensor]:
-    """Each observation field at ``rows [N]``, on the storing device: ``[N, *field]``, or
-    ``[N, k, *field]`` with frame stacking."""
+def _stacked_observations_at(core: EpisodeCore, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each observation field's k-frame stacks at ``rows [N]`` (``frame_stack=k`` set), on the
+    storing device: ``[N, k, *field]``."""
     keys = _keys(core, "observation")
     k = core.frame_stack
-    if k is None:
-        return core.slots.take(rows, keys)
+    assert k is not None, "only buffers with frame stacking rebuild stacks"
     stacked, real = stack_rows(rows, k, core.links.prev_row)  # [N, k]
     values = core.slots.take(stacked.reshape(-1), keys)  # [N * k, *field]
     real = real.reshape(-1)
@@ -128,7 +127,7 @@ def nstep_batch(
     if core.frame_stack is None:
         parts: list[Part] = [(slots.column(key), ends) for key in obs_keys]
     else:
-        parts = [(stacked, None) for stacked in _observations(core, ends)]
+        parts = [(stacked, None) for stacked in _stacked_observations_at(core, ends)]
     parts += [(slots.column(key), start) for key in step_keys]
     parts += [(value, None) for value in info]
     delivered = iter(slots.deliver(parts, device))  # one pinned transfer from CPU to CUDA
