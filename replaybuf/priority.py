@@ -22,7 +22,9 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
   u' = u - starts[b] > 0 (a difference of distinct floats is never 0) is clamped to the row's
   own cumulative sum, and the item is the first j whose running sum reaches u', so w_j > 0.
   F grows with sqrt(capacity) to keep both the row scan and the O(nb) rebuild of ``starts``
-  after each ``set`` small.
+  after each ``set`` small. On the CPU the index also keeps every block's running sums
+  (``[nb, F]``, rebuilt for the blocks a ``set`` touches), so a draw gathers them instead of
+  summing the rows it gathers (:func:`locate_host`).
 
   On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` also rebuilds one flat
   cumulative sum over all items (a few kernels; cheap on a GPU, ~1 ms at 1M items on a CPU),
@@ -80,6 +82,13 @@ def last_write_wins(items: torch.Tensor, values: torch.Tensor) -> tuple[torch.Te
     return ordered, values.index_select(0, order.index_select(0, first))
 
 
+def last_write_wins_host(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`last_write_wins` in numpy, deduplicated: each distinct item once, sorted, with the
+    value of its last occurrence."""
+    unique, last = np.unique(items[::-1], return_index=True)  # first in reverse = last
+    return unique, values[::-1][last]
+
+
 def sample_masses(
     batch_size: int, total: torch.Tensor | float, generator: torch.Generator, device: torch.device
 ) -> torch.Tensor:
@@ -119,22 +128,30 @@ def locate(
 
 
 def locate_host(
-    starts: np.ndarray, leaves: np.ndarray, masses: np.ndarray
+    starts: np.ndarray, running: np.ndarray, leaves: np.ndarray, masses: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`locate` in numpy, for an index on the CPU: the same IEEE operations (a
-    sequential row cumsum, the same comparisons), at a fraction of torch's per-call cost for
-    a few hundred draws (see the module docstring of :mod:`replaybuf.index`)."""
-    nb, width = leaves.shape
-    block = np.searchsorted(starts[1:], masses)  # [B] first starts[b + 1] >= u
+    """:func:`locate` in numpy, for an index on the CPU, with the same IEEE operations and
+    results; ``running`` ([nb, F]) holds each block's running sums, kept by the index (the same
+    sequential sums :func:`locate` takes of the rows it gathers).
+
+    The masses are searched in ascending order (numpy's ``searchsorted`` then starts each
+    search where the last one ended, and the row gathers walk memory forwards), and the items
+    go back to the draw order: the batch is not sorted by slot. About 30% cheaper than in
+    draw order at 1M items (numpy per call: a fraction of torch's cost for a few hundred draws).
+    """
+    nb, width = running.shape
+    order = np.argsort(masses)  # [B]
+    ordered = masses[order]
+    block = np.searchsorted(starts[1:], ordered)  # [B] first starts[b + 1] >= u
     np.minimum(block, nb - 1, out=block)
-    inside = masses - starts[block]  # [B] > 0
-    rows = leaves[block]  # [B, F]
-    # torch's row cumsum: the same sequential sums, ~5x faster than numpy's along the last axis.
-    running = torch.cumsum(torch.from_numpy(rows), 1).numpy()  # [B, F]
-    np.minimum(inside, running[:, -1], out=inside)  # round-off: u' <= the row's own total
-    column = (running < inside[:, None]).sum(1)  # [B] first c_j >= u'
-    weights = rows[np.arange(rows.shape[0]), column]  # [B]
-    return column + block * width, weights
+    inside = ordered - starts[block]  # [B] > 0
+    rows = running[block]  # [B, F]
+    np.minimum(inside, rows[:, -1], out=inside)  # round-off: u' <= the row's own total
+    found = np.argmax(rows >= inside[:, None], axis=1)  # [B] first c_j >= u' (sums never fall)
+    found += block * width
+    items = np.empty_like(found)
+    items[order] = found
+    return items, leaves.reshape(-1)[items]
 
 
 def nearest_positive(items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -362,8 +379,14 @@ class TorchPriorityIndex(PriorityIndex):
         self._leaves = torch.zeros(blocks, self._width, dtype=torch.float64, device=device)
         self._blocks = torch.zeros(blocks, dtype=torch.float64, device=device)  # [nb] sums
         self._starts = torch.zeros(blocks + 1, dtype=torch.float64, device=device)  # [nb+1]
-        # [nb, 2]: (min of positive weights, else +inf; minus the max weight) per block.
-        self._extremes = leaf_extremes(torch.zeros(blocks, device=device))
+        # [nb] float32 each: the smallest positive weight (+inf if none) and the largest weight
+        # of every block; separate contiguous columns, so that their reductions stay fast.
+        self._lowest, self._highest = block_extremes(torch.zeros(blocks, 1, device=device))
+        # [nb, F] float64: each block's running sums, for the CPU draw (locate_host); CUDA
+        # draws from the flat sums below, and other devices take them per draw (locate).
+        self._running: torch.Tensor | None = None
+        if device.type == "cpu":
+            self._running = torch.zeros_like(self._leaves)
         # [nb * F] int64 cumulative units (see the module docstring), on FLAT_DEVICES only.
         self._cumulative: torch.Tensor | None = None
         self._top = 0  # the last cumulative unit, on the host
@@ -371,7 +394,11 @@ class TorchPriorityIndex(PriorityIndex):
             self._cumulative = torch.zeros(blocks * self._width, dtype=torch.long, device=device)
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
-        items, weights = last_write_wins(items, weights)  # [k], [k]
+        if self.device.type == "cpu":  # numpy's unique: a third of the torch version's cost
+            unique, values = last_write_wins_host(items.numpy(), weights.numpy())
+            items, weights = torch.from_numpy(unique), torch.from_numpy(values)
+        else:
+            items, weights = last_write_wins(items, weights)  # [k], [k]
         self._leaves.view(-1).index_copy_(0, items, weights.double())
         if items.numel() * 4 >= self._blocks.numel():  # many blocks touched: redo them all
             self._summarize()
@@ -380,14 +407,20 @@ class TorchPriorityIndex(PriorityIndex):
         blocks = items.div(self._width, rounding_mode="floor")  # [k]
         rows = self._leaves.index_select(0, blocks)  # [k, F]
         self._blocks.index_copy_(0, blocks, rows.sum(1))
-        self._extremes.index_copy_(0, blocks, leaf_extremes(rows.float()).amin(1))
+        if self._running is not None:
+            self._running.index_copy_(0, blocks, rows.cumsum(1))
+        lowest, highest = block_extremes(rows.float())
+        self._lowest.index_copy_(0, blocks, lowest)
+        self._highest.index_copy_(0, blocks, highest)
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
         self._accumulate()
 
     def _summarize(self) -> None:
         """Recompute every block's sum and extremes, and the cumulative starts."""
         torch.sum(self._leaves, 1, out=self._blocks)
-        self._extremes = leaf_extremes(self._leaves.float()).amin(1)  # [nb, 2]
+        if self._running is not None:
+            torch.cumsum(self._leaves, 1, out=self._running)
+        self._lowest, self._highest = block_extremes(self._leaves.float())
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
         self._accumulate()
 
@@ -416,11 +449,11 @@ class TorchPriorityIndex(PriorityIndex):
         self._summarize()
 
     def _read_stats(self) -> tuple[float, float, float]:
-        ends = self._extremes.amin(0).double()  # [2]
-        total, smallest, negated_max = torch.cat([self._starts[-1:], ends]).tolist()  # one sync
+        smallest, largest = self._lowest.min().double(), self._highest.max().double()
+        total, smallest, largest = torch.stack([self._starts[-1], smallest, largest]).tolist()
         if self._cumulative is not None:  # the exact int64 top for randint (a second sync)
             self._top = int(self._cumulative[-1])
-        return total, smallest, 0.0 - negated_max
+        return total, smallest, largest
 
     def _sample(
         self, batch_size: int, generator: torch.Generator
@@ -428,13 +461,19 @@ class TorchPriorityIndex(PriorityIndex):
         if self._cumulative is not None:  # the first sum >= u: a present item
             items = torch.searchsorted(self._cumulative, self._flat_masses(batch_size, generator))
             return items, self._leaves.view(-1).index_select(0, items)
-        if self.device.type == "cpu":  # numpy views of the same tensors (written in place)
-            starts, leaves = self._starts.numpy(), self._leaves.numpy()
+        if self._running is not None:  # the CPU: numpy views of the same tensors
+            starts, running = self._starts.numpy(), self._running.numpy()
             masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
-            items, weights = locate_host(starts, leaves, masses)
+            items, weights = locate_host(starts, running, self._leaves.numpy(), masses)
             return torch.from_numpy(items), torch.from_numpy(weights)
         masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
         return locate(self._starts, self._leaves, masses)
+
+
+def block_extremes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of float32 weights ``[k, F]``: the smallest positive weight (+inf if none) and
+    the largest weight, ``[k]`` each."""
+    return torch.where(rows > 0, rows, math.inf).amin(1), rows.amax(1)
 
 
 def leaf_extremes(weights: torch.Tensor) -> torch.Tensor:

@@ -540,6 +540,57 @@ def test_locate_picks_the_first_item_whose_running_sum_reaches_the_mass():
     items, weights = locate(starts, leaves, masses)
     assert items.tolist() == [1, 1, 3, 3, 6, 6]
     assert weights.tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    # The host version searches the masses in ascending order and answers in draw order.
+    shuffled = [5, 0, 3, 1, 4, 2]
+    running = leaves.cumsum(1).numpy()
+    got = locate_host(starts.numpy(), running, leaves.numpy(), masses[shuffled].numpy())
+    assert got[0].tolist() == [items[i] for i in shuffled]
+    assert got[1].tolist() == [weights[i] for i in shuffled]
+
+
+def test_last_write_wins_host_keeps_each_items_last_value():
+    items = np.array([4, 1, 4, 7, 1, 4])
+    values = np.array([0.5, 1.0, 2.0, 3.0, 4.0, 5.0])
+    unique, last = priority.last_write_wins_host(items, values)
+    assert unique.tolist() == [1, 4, 7]
+    assert last.tolist() == [4.0, 5.0, 3.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(
+        st.lists(st.tuples(st.integers(0, 3999), WEIGHTS), min_size=1, max_size=24),
+        min_size=1,
+        max_size=8,
+    ),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_small_writes_keep_every_block_summary_of_a_large_index(calls, seed):
+    """Writes touching few of the 125 blocks update only those blocks' sums, running sums and
+    extremes (larger ones recompute all): both must leave what a full recompute gives."""
+    index = make_priority_index(4000, "cpu", "torch")
+    for call in calls:
+        items = torch.tensor([item for item, _ in call], dtype=torch.long)
+        index.set(items, torch.tensor([weight for _, weight in call], dtype=torch.float64))
+    expected = reference_after(4000, calls)
+    assert index.weights().tolist() == expected
+    leaves = index._leaves
+    assert torch.equal(index._running, leaves.cumsum(1))
+    assert torch.equal(index._starts[1:], leaves.sum(1).cumsum(0))
+    positive = [w for w in expected if w > 0]
+    assert index.min_positive() == (min(positive) if positive else math.inf)
+    assert index.max() == max(expected)
+    if positive:
+        drawn = draw(index, 256, seed)
+        assert all(expected[i] > 0 for i in drawn.tolist())
+        masses = torch.rand(256, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        masses = torch.where(masses > 0, masses, 1.0).mul_(index.total())  # (0, total]
+        host = locate_host(
+            index._starts.numpy(), index._running.numpy(), leaves.numpy(), masses.numpy()
+        )
+        by_torch = locate(index._starts, leaves, masses)
+        assert np.array_equal(host[0], by_torch[0].numpy())
+        assert np.array_equal(host[1], by_torch[1].numpy())
 
 
 @settings(max_examples=50, deadline=None)
@@ -617,7 +668,9 @@ def test_locate_numpy_and_torch_paths_agree_bit_for_bit(weights, seed):
     masses = torch.rand(128, dtype=torch.float64, generator=generator).mul_(index.total())
     masses = torch.where(masses > 0, masses, index.total())  # (0, total]
     items, got = locate(index._starts, index._leaves, masses)
-    host_items, host_got = locate_host(index._starts.numpy(), index._leaves.numpy(), masses.numpy())
+    host_items, host_got = locate_host(
+        index._starts.numpy(), index._running.numpy(), index._leaves.numpy(), masses.numpy()
+    )
     assert np.array_equal(items.numpy(), host_items)
     assert np.array_equal(got.numpy(), host_got)
     assert (host_got > 0).all()
