@@ -188,7 +188,10 @@ def sequence_batch(
 
     Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1.
     With CPU storage the row walk runs in numpy (as in :func:`nstep_batch`), and a batch with
-    no padding skips the zero-filling.
+    no padding skips the zero-filling. Like :func:`nstep_batch`, every field is gathered as a
+    plain tensor and one TensorDict is built at the end: TensorDict reshapes, ``apply`` and
+    ``set`` cost more than the gathers themselves here (and on CUDA their Python time is what
+    the learner waits for).
     """
     links, host = core.links, core.links.host
     batch = start.shape[0]
@@ -197,8 +200,9 @@ def sequence_batch(
         # not bytes, are what a CUDA walk costs).
         jumps = links.jumps(jump_levels(length))
         obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)  # [B, L + 1], [B, L]
-        next_kind = links.end_kind[obs_rows[:, 1:]]  # [B, L]
-        step = links.step[obs_rows[:, :length]]
+        step_rows = obs_rows[:, :length].reshape(-1)  # [B * L]
+        next_kind = links.end_kind.index_select(0, obs_rows[:, 1:].reshape(-1))
+        step = links.step.index_select(0, step_rows)
         episode = links.episode.index_select(0, start)
         padded = True  # unknown without a device synchronisation: fill as if
     else:
@@ -208,39 +212,48 @@ def sequence_batch(
         episode = torch.from_numpy(host.episode[start.numpy()])
         padded = not real.all()
         obs_rows, mask = torch.from_numpy(rows), torch.from_numpy(real)
-    obs = _stacked_observations(core, start, obs_rows, device)  # [B, length + 1]
-    rest = core.slots.gather(
-        obs_rows[:, :length].reshape(-1), device, _keys(core, "action", "reward", "extras")
+        step_rows = obs_rows[:, :length].reshape(-1)
+    obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "reward", "extras")
+    slots = core.slots
+    parts: list[Part] = []
+    if core.frame_stack is None:
+        parts += [(slots.column(key), obs_rows.reshape(-1)) for key in obs_keys]
+    parts += [(slots.column(key), step_rows) for key in step_keys]
+    parts += [(next_kind, None), (step, None), (episode, None), (mask, None)]
+    delivered = slots.deliver(parts, device)  # one pinned transfer from CPU to CUDA
+    widths = (length, length, 1, length)
+    next_kind, step, episode, mask = (
+        v.reshape(batch, width) for v, width in zip(delivered[-4:], widths, strict=True)
     )
-    rest = rest.reshape(batch, length)
-    observation = obs.get("observation")
-    out = TensorDict(
-        {
-            "observation": observation[:, :length],
-            "action": rest.get("action"),
-            "reward": rest.get("reward"),
-            "next_observation": observation[:, 1:],
-            "terminal": (next_kind == END_TERMINATED).to(device),
-            "truncated": (next_kind == END_TRUNCATED).to(device),
-            "step": step.to(device),
-            "episode_id": episode.unsqueeze(1).repeat(1, length).to(device),
-        },
-        batch_size=[batch, length],
-        device=device,
-    )
-    _put_extras(out, rest)
-    mask = mask.to(device)
-    if padded:
-
-        def zero_padding(value: torch.Tensor) -> torch.Tensor:
-            keep = mask.reshape(*mask.shape, *([1] * (value.dim() - 2)))
-            return torch.where(keep, value, _zero(value))
-
-        out = out.apply(zero_padding)
-        for name in ("episode_id", "step"):  # 0 is a real id and step: padding says -1
-            out.set(name, torch.where(mask, out.get(name), -1))
-    out.set("mask", mask)
-    return out
+    if core.frame_stack is None:  # [B * (length + 1), *field] -> [B, length + 1, *field]
+        observations = [
+            v.reshape(batch, length + 1, *v.shape[1:]) for v in delivered[: len(obs_keys)]
+        ]
+        delivered = delivered[len(obs_keys) :]
+    else:  # [B, length + 1, k, *field], rebuilt from one frame per step
+        stacked = _stacked_observations(core, start, obs_rows, device)
+        observations = [stacked.get(key) for key in obs_keys]
+    keys: list[Key] = []
+    values: list[torch.Tensor] = []
+    for key, value in zip(obs_keys, observations, strict=True):
+        keys += [key, ("next_observation", *key[1:])]
+        values += [value[:, :length], value[:, 1:]]
+    for key, value in zip(step_keys, delivered, strict=False):  # a prefix of delivered
+        keys.append(key[1:] if key[0] == "extras" else key)  # extras: top-level
+        values.append(value.reshape(batch, length, *value.shape[1:]))
+    keys += [("terminal",), ("truncated",), ("step",), ("episode_id",)]
+    values += [next_kind == END_TERMINATED, next_kind == END_TRUNCATED, step]
+    values.append(episode.expand(batch, length))
+    if padded:  # also copies the expanded episode ids (a caller may write into a batch)
+        values = [
+            torch.where(mask.reshape(*mask.shape, *([1] * (v.dim() - 2))), v, _zero(v))
+            for v in values[:-2]
+        ] + [torch.where(mask, v, -1) for v in values[-2:]]
+    else:
+        values[-1] = values[-1].clone()
+    keys.append(("mask",))
+    values.append(mask)
+    return build_tensordict(keys, values, (batch, length), device)
 
 
 def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:

@@ -426,14 +426,18 @@ def _tensordict(leaves: dict[Key, torch.Tensor]) -> TensorDict:
 
 
 def build_tensordict(
-    keys: list[Key], values: list[torch.Tensor], rows: int, device: torch.device | None
+    keys: list[Key],
+    values: list[torch.Tensor],
+    rows: int | tuple[int, ...],
+    device: torch.device | None,
 ) -> TensorDict:
     """A (nested) TensorDict from flat keys and ``[rows, ...]`` values on ``device`` (None:
-    wherever each value lives)."""
+    wherever each value lives); ``rows`` a tuple gives a batch of several dims."""
+    size = torch.Size([rows] if isinstance(rows, int) else rows)
     if _NEW_UNSAFE is not None and all(len(key) == 1 for key in keys):  # no nesting to build
         source = {key[0]: value for key, value in zip(keys, values, strict=True)}
-        return _NEW_UNSAFE(source, batch_size=torch.Size([rows]), device=device)
-    return _assemble(nest(dict(zip(keys, values, strict=True))), torch.Size([rows]), device)
+        return _NEW_UNSAFE(source, batch_size=size, device=device)
+    return _assemble(nest(dict(zip(keys, values, strict=True))), size, device)
 
 
 def nest(leaves: Mapping[Key, Any]) -> dict:
