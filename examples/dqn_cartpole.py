@@ -18,9 +18,13 @@ plot of return vs env steps (``dqn_cartpole.png``).
 
 With the defaults (seed 1) it is solved after 26,000 env steps and 24,997 gradient steps, greedy
 return 500.0 ± 0.0 over 20 episodes: 66 s on a 2-core CPU VM at load average 1.7 (182 s at 7).
-Seeds 2, 3 and 4 solve it after 38,000, 38,000 and 34,000 env steps.
+Seeds 2, 3 and 4 solve it after 38,000, 38,000 and 34,000 env steps. With ``--prioritized``
+(PER, alpha 0.6, beta annealed from 0.4 to 1: each window's loss scaled by its importance
+weight, its |TD error| sent back through ``update_priorities``) seed 1 is solved after 28,000
+env steps: 90 s at load average 1.0 (TorchRL's segment trees, torch 2.14.1).
 
     python examples/dqn_cartpole.py                  # full run (stops once solved)
+    python examples/dqn_cartpole.py --prioritized    # prioritized replay (PER)
     python examples/dqn_cartpole.py --help           # every knob
     python examples/dqn_cartpole.py --total-steps 300 --learning-starts 100 --eval-episodes 2 \
         --eval-every 100 --out-dir /tmp/smoke        # smoke test
@@ -67,6 +71,10 @@ class Args:
     target_update: int = knob(500, "gradient steps between hard target-network updates")
     double_dqn: bool = knob(True, "pick the next action with the online net (Double DQN)")
     max_grad_norm: float = knob(10.0, "gradient clipping norm")
+    prioritized: bool = knob(False, "prioritized replay: draw windows by |TD error|^alpha")
+    alpha: float = knob(0.6, "PER's priority exponent (with --prioritized)")
+    beta_start: float = knob(0.4, "PER's importance-weight exponent, annealed linearly ...")
+    beta_end: float = knob(1.0, "... to this at total_steps (with --prioritized)")
     start_e: float = knob(1.0, "epsilon at the start")
     end_e: float = knob(0.05, "epsilon at the end of the schedule")
     exploration_steps: int = knob(10_000, "env steps to anneal epsilon over")
@@ -106,6 +114,11 @@ def q_network(obs_dim: int, n_actions: int, hidden: int) -> nn.Module:
         nn.ReLU(),
         nn.Linear(hidden, n_actions),
     )
+
+
+def beta(args: Args, step: int) -> float:
+    """PER's importance-weight exponent: linear from beta_start to beta_end over total_steps."""
+    return args.beta_start + (args.beta_end - args.beta_start) * min(1.0, step / args.total_steps)
 
 
 def epsilon(args: Args, step: int) -> float:
@@ -299,12 +312,19 @@ async def learner(
             # reward: discounted n-step return; next_discount: γ^m, or 0 after a termination
             td_target = batch["reward"] + batch["next_discount"] * next_q
         q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-        loss_t = F.smooth_l1_loss(q_taken, td_target)
+        if args.prioritized:  # each window's loss scaled by its importance weight
+            per_window = F.smooth_l1_loss(q_taken, td_target, reduction="none")
+            loss_t = (batch["weight"] * per_window).mean()
+        else:
+            loss_t = F.smooth_l1_loss(q_taken, td_target)
         optimizer.zero_grad()
         loss_t.backward()
         nn.utils.clip_grad_norm_(q.parameters(), args.max_grad_norm)
         optimizer.step()
         loss = float(loss_t.detach())
+        if args.prioritized:  # new priority |TD error| (the buffer adds eps); anneal beta
+            await buf.update_priorities(batch["index"], (q_taken - td_target).abs().detach())
+            await buf.set_beta(beta(args, pace.step))
         if (pace.updates + 1) % args.target_update == 0:
             target.load_state_dict(q.state_dict())
         if pace.step >= next_eval:  # no env step is in flight here
@@ -352,7 +372,10 @@ def plot(args: Args, curve: list[dict], episodes: list[tuple[int, float]], path:
     ax.axhline(args.target_return, ls="--", color="gray", lw=1, label="target")
     ax.set_xlabel("env steps")
     ax.set_ylabel("return")
-    ax.set_title(f"{args.n_step}-step {'Double ' if args.double_dqn else ''}DQN, {args.env_id}")
+    per = ", prioritized replay" if args.prioritized else ""
+    ax.set_title(
+        f"{args.n_step}-step {'Double ' if args.double_dqn else ''}DQN{per}, {args.env_id}"
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -367,7 +390,13 @@ async def train(args: Args) -> tuple[list[dict], list[tuple[int, float]]]:
     probe.close()
     pace = Pace(args.num_collectors, args.train_frequency, args.total_steps)
     episodes: list[tuple[int, float]] = []  # (env step at its end, return), in order of ending
-    async with EpisodeReplayBuffer(max_steps=args.buffer_size, seed=args.seed) as buf:
+    async with EpisodeReplayBuffer(
+        max_steps=args.buffer_size,
+        seed=args.seed,
+        prioritized=args.prioritized,
+        alpha=args.alpha,
+        beta=args.beta_start,
+    ) as buf:
         collectors = [
             asyncio.create_task(collector(i, args, buf, pace, q, episodes))
             for i in range(args.num_collectors)
@@ -381,6 +410,11 @@ async def train(args: Args) -> tuple[list[dict], list[tuple[int, float]]]:
             f"{stats['truncated']} truncated at the time limit, {stats['in_progress']} in "
             f"progress) from {len(stats['agents'])} collectors, {stats['valid_steps']} valid steps"
         )
+        if stats["prioritized"]:
+            print(
+                f"prioritized replay: backend {stats['priority_backend']}, alpha "
+                f"{stats['alpha']}, beta annealed to {stats['beta']:.2f}"
+            )
     return curve, episodes
 
 

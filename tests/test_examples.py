@@ -7,6 +7,7 @@ afterwards. Skipped without the ``examples`` extra (gymnasium, matplotlib).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -66,6 +67,33 @@ def test_dqn_cartpole_smoke(tmp_path: Path) -> None:
     # every collector task wrote episodes, every step of the 300 is in the buffer
     assert re.search(r"^buffer: .* from 4 collectors, (29[6-9]|300) valid steps$", out, re.M), out
     assert "solved" not in out  # 300 steps cannot balance the pole for 475
+    assert_png(tmp_path / "out" / "dqn_cartpole.png")
+
+
+def test_dqn_cartpole_prioritized_smoke(tmp_path: Path) -> None:
+    out = run_example(
+        tmp_path,
+        "dqn_cartpole.py",
+        *("--prioritized", "--total-steps", "300", "--learning-starts", "100"),
+        *("--eval-every", "100", "--eval-episodes", "2"),
+    )
+    steps = curve_steps(out)
+    assert steps, out
+    assert steps[-1] == 300, out
+    # finite losses: the importance-weighted loss and the priority updates went through
+    losses = [float(x) for x in re.findall(r"loss\s+(\S+)\s+eps", out)]
+    assert losses, out
+    assert all(math.isfinite(x) for x in losses), out
+    assert re.search(r"^buffer: .* from 4 collectors, (29[6-9]|300) valid steps$", out, re.M), out
+    # beta, annealed from 0.4 towards 1.0 over the 300 steps through set_beta, ends near 1
+    found = re.search(
+        r"^prioritized replay: backend (torch|torchrl-segment-tree), alpha 0.6, "
+        r"beta annealed to (\S+)$",
+        out,
+        re.M,
+    )
+    assert found, out
+    assert 0.9 < float(found.group(2)) <= 1.0, out
     assert_png(tmp_path / "out" / "dqn_cartpole.png")
 
 
