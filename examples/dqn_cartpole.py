@@ -103,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
             )
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=f.metadata["help"])
-    return Args(**vars(parser.parse_args(argv)))
+    args = Args(**vars(parser.parse_args(argv)))
+    for name in ("beta_start", "beta_end"):  # refused here, not at the first gradient step
+        if not 0 <= getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} must lie in [0, 1]")
+    return args
 
 
 def q_network(obs_dim: int, n_actions: int, hidden: int) -> nn.Module:

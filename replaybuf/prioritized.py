@@ -58,7 +58,8 @@ def check_priorities(priority: Any, count: int, device: torch.device) -> torch.T
     """``priority`` as a float tensor of ``count`` finite values >= 0, else a clear error."""
     if isinstance(priority, int | float) and not isinstance(priority, bool):
         priority = [priority] * count
-    values = torch.as_tensor(priority, dtype=torch.float64).reshape(-1)
+    # Priorities are data, never differentiated: a |TD error| that still requires grad is fine.
+    values = torch.as_tensor(priority, dtype=torch.float64).detach().reshape(-1)
     if values.numel() != count:
         raise ValueError(
             f"priority must have one value per index: expected {count}, got {values.numel()}"

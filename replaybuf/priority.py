@@ -23,8 +23,8 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
   own cumulative sum, and the item is the first j whose running sum reaches u', so w_j > 0.
   F grows with sqrt(capacity) to keep both the row scan and the O(nb) rebuild of ``starts``
   after each ``set`` small. On the CPU the index also keeps every block's running sums
-  (``[nb, F]``, rebuilt for the blocks a ``set`` touches), so a draw gathers them instead of
-  summing the rows it gathers (:func:`locate_host`).
+  (``[nb, F]``, 8 bytes more per item, rebuilt for the blocks a ``set`` touches), so a draw
+  gathers them instead of summing the rows it gathers (:func:`locate_host`).
 
   On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` also rebuilds one flat
   cumulative sum over all items (a few kernels; cheap on a GPU, ~1 ms at 1M items on a CPU),
@@ -221,7 +221,7 @@ class PriorityIndex(abc.ABC):
         :meth:`sample` returns them, or checked before): only ``weights`` are checked."""
         if items.numel() == 0:
             return
-        weights = torch.as_tensor(weights)
+        weights = torch.as_tensor(weights).detach()  # data, never differentiated
         if weights.shape == items.shape and weights.dtype.is_floating_point:
             weights32 = weights.to(self.device, torch.float32)
             lowest, highest = torch.stack(torch.aminmax(weights32)).tolist()  # NaN fails both
@@ -290,7 +290,7 @@ class PriorityIndex(abc.ABC):
 
     def load(self, weights: torch.Tensor) -> None:
         """Replace every weight by ``weights`` (as returned by :meth:`weights`)."""
-        weights = torch.as_tensor(weights)
+        weights = torch.as_tensor(weights).detach()
         if tuple(weights.shape) != (self.capacity,):
             raise ValueError(
                 f"weights must have shape ({self.capacity},), got {tuple(weights.shape)}"
@@ -321,7 +321,7 @@ class PriorityIndex(abc.ABC):
         self, items: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``items`` (long) and ``weights`` (float32, -0.0 as 0.0) on ``device``, else raise."""
-        items, weights = self._items(items), torch.as_tensor(weights)
+        items, weights = self._items(items), torch.as_tensor(weights).detach()
         if items.shape != weights.shape:
             raise ValueError(
                 f"items and weights must have the same shape, got items {tuple(items.shape)} "

@@ -49,6 +49,11 @@ def _zero(value: torch.Tensor) -> bool | int:
     return False if value.dtype == torch.bool else 0
 
 
+def _pad(value: torch.Tensor, mask: torch.Tensor, fill: bool | int) -> torch.Tensor:
+    """``value`` (``[B, L, ...]``) with ``fill`` wherever ``mask`` (``[B, L]``) is False."""
+    return torch.where(mask.reshape(*mask.shape, *[1] * (value.dim() - 2)), value, fill)
+
+
 def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Frames at padding positions (``real`` False, its shape leading ``value``'s) zeroed when
     the padding is ``"zero"``; with ``"reset"`` they already repeat the episode's first frame."""
@@ -189,9 +194,10 @@ def sequence_batch(
     Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1.
     With CPU storage the row walk runs in numpy (as in :func:`nstep_batch`), and a batch with
     no padding skips the zero-filling. Like :func:`nstep_batch`, every field is gathered as a
-    plain tensor and one TensorDict is built at the end: TensorDict reshapes, ``apply`` and
-    ``set`` cost more than the gathers themselves here (and on CUDA their Python time is what
-    the learner waits for).
+    plain tensor and one TensorDict is built at the end (frame-stacked observations excepted:
+    they come from :func:`_stacked_observations`): TensorDict reshapes, ``apply`` and ``set``
+    cost more than the gathers themselves here (and on CUDA their Python time is what the
+    learner waits for).
     """
     links, host = core.links, core.links.host
     batch = start.shape[0]
@@ -220,7 +226,8 @@ def sequence_batch(
         parts += [(slots.column(key), obs_rows.reshape(-1)) for key in obs_keys]
     parts += [(slots.column(key), step_rows) for key in step_keys]
     parts += [(next_kind, None), (step, None), (episode, None), (mask, None)]
-    delivered = slots.deliver(parts, device)  # one pinned transfer from CPU to CUDA
+    # One pinned transfer from CPU storage to CUDA (frame-stacked observations make a second).
+    delivered = slots.deliver(parts, device)
     widths = (length, length, 1, length)
     next_kind, step, episode, mask = (
         v.reshape(batch, width) for v, width in zip(delivered[-4:], widths, strict=True)
@@ -233,27 +240,28 @@ def sequence_batch(
     else:  # [B, length + 1, k, *field], rebuilt from one frame per step
         stacked = _stacked_observations(core, start, obs_rows, device)
         observations = [stacked.get(key) for key in obs_keys]
-    keys: list[Key] = []
-    values: list[torch.Tensor] = []
-    for key, value in zip(obs_keys, observations, strict=True):
-        keys += [key, ("next_observation", *key[1:])]
-        values += [value[:, :length], value[:, 1:]]
-    for key, value in zip(step_keys, delivered, strict=False):  # a prefix of delivered
-        keys.append(key[1:] if key[0] == "extras" else key)  # extras: top-level
-        values.append(value.reshape(batch, length, *value.shape[1:]))
-    keys += [("terminal",), ("truncated",), ("step",), ("episode_id",)]
-    values += [next_kind == END_TERMINATED, next_kind == END_TRUNCATED, step]
-    values.append(episode.expand(batch, length))
-    if padded:  # also copies the expanded episode ids (a caller may write into a batch)
-        values = [
-            torch.where(mask.reshape(*mask.shape, *([1] * (v.dim() - 2))), v, _zero(v))
-            for v in values[:-2]
-        ] + [torch.where(mask, v, -1) for v in values[-2:]]
-    else:
-        values[-1] = values[-1].clone()
-    keys.append(("mask",))
-    values.append(mask)
-    return build_tensordict(keys, values, (batch, length), device)
+    steps = {  # [B * length, *field] -> [B, length, *field]; a prefix of delivered
+        key: value.reshape(batch, length, *value.shape[1:])
+        for key, value in zip(step_keys, delivered, strict=False)
+    }
+    # Key order: observation, action, reward, next_observation, terminal, truncated, step,
+    # episode_id, the extras (top-level keys), mask.
+    obs = list(zip(obs_keys, observations, strict=True))
+    fields = [(key, value[:, :length]) for key, value in obs]
+    fields += [(key, value) for key, value in steps.items() if key[0] != "extras"]
+    fields += [(("next_observation", *key[1:]), value[:, 1:]) for key, value in obs]
+    fields += [(("terminal",), next_kind == END_TERMINATED)]
+    fields += [(("truncated",), next_kind == END_TRUNCATED)]
+    ids = [(("step",), step), (("episode_id",), episode.expand(batch, length))]
+    extras = [(key[1:], value) for key, value in steps.items() if key[0] == "extras"]
+    if padded:  # zeros past the end (-1 for step and episode id); also copies the ids
+        fields = [(key, _pad(value, mask, _zero(value))) for key, value in fields]
+        extras = [(key, _pad(value, mask, _zero(value))) for key, value in extras]
+        ids = [(key, _pad(value, mask, -1)) for key, value in ids]
+    else:  # the expanded episode ids as their own tensor (a caller may write into a batch)
+        ids[1] = (ids[1][0], ids[1][1].clone())
+    keys, values = zip(*fields, *ids, *extras, (("mask",), mask), strict=True)
+    return build_tensordict(list(keys), list(values), (batch, length), device)
 
 
 def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:

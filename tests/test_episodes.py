@@ -536,6 +536,25 @@ def test_sequence_padding_marks_episode_id_and_step_minus_one(tmp_path):
         assert seq["step"].tolist() == [[0, -1, -1, -1]] * 3
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_sequence_batches_keep_their_key_order(tmp_path, strict):
+    """observation, action, reward, next_observation, terminal, truncated, step, episode_id,
+    the extras (top-level, in their stored order), mask: padded or not."""
+    with SyncEpisodeReplayBuffer(100, scratch_dir=tmp_path, seed=0) as buf:
+        ep = buf.start_episode()
+        for t in range(4):
+            obs = {"a": torch.zeros(3), "b": torch.zeros(2)}
+            extras = {"h": torch.zeros(4), "flag": t % 2 == 0}
+            buf.append_observation_action_reward(ep, obs, t, 1.0, extras=extras)
+        buf.end_episode(ep, "terminated", {"a": torch.ones(3), "b": torch.ones(2)})
+        keys = list(buf.sample_sequences(2, 3, strict=strict).keys(True, True))
+        assert keys == [
+            ("observation", "a"), ("observation", "b"), "action", "reward",
+            ("next_observation", "a"), ("next_observation", "b"), "terminal", "truncated",
+            "step", "episode_id", "flag", "h", "mask",
+        ]  # fmt: skip
+
+
 def test_an_episode_holding_no_rows_is_not_evicted_for_step_pressure(tmp_path):
     with SyncEpisodeReplayBuffer(2, scratch_dir=tmp_path, seed=0) as buf:
         old = buf.start_episode()

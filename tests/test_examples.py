@@ -70,7 +70,11 @@ def test_dqn_cartpole_smoke(tmp_path: Path) -> None:
     assert_png(tmp_path / "out" / "dqn_cartpole.png")
 
 
-def test_dqn_cartpole_prioritized_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_dqn_cartpole_prioritized_smoke(tmp_path: Path, monkeypatch, backend: str) -> None:
+    # "auto" takes TorchRL's segment trees where its extension loads; "torch" forces the
+    # pure-torch priority index (the fallback), through the environment variable.
+    monkeypatch.setenv("REPLAYBUF_PRIORITY_BACKEND", backend)
     out = run_example(
         tmp_path,
         "dqn_cartpole.py",
@@ -93,6 +97,7 @@ def test_dqn_cartpole_prioritized_smoke(tmp_path: Path) -> None:
         re.M,
     )
     assert found, out
+    assert backend == "auto" or found.group(1) == backend, out
     assert 0.9 < float(found.group(2)) <= 1.0, out
     assert_png(tmp_path / "out" / "dqn_cartpole.png")
 

@@ -226,6 +226,38 @@ def test_n_step_starts_are_drawn_by_their_priority(tmp_path: Path) -> None:
             )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_priorities_that_require_grad_are_taken_as_data(tmp_path: Path, backend: str) -> None:
+    """A |TD error| straight from the loss (still requiring grad) updates like its detached
+    value, on both buffers: priorities are data, never differentiated."""
+
+    def both(make, fill, draw):
+        out = []
+        for grad in (True, False):
+            with make(tmp_path) as buf:
+                fill(buf)
+                batch = draw(buf)
+                error = torch.linspace(0.5, 3.0, batch["index"].numel(), requires_grad=True)
+                priority = error * 2.0 if grad else (error * 2.0).detach()
+                assert buf.update_priorities(batch["index"], priority) == priority.numel()
+                out.append(draw(buf))
+        assert torch.equal(out[0]["index"], out[1]["index"])
+        assert torch.equal(out[0]["weight"], out[1]["weight"])
+
+    both(
+        lambda where: ring(where, backend, capacity=16),
+        lambda buf: add(buf, 0, 16),
+        lambda buf: buf.sample_batch(32),
+    )
+    both(
+        lambda where: SyncEpisodeReplayBuffer(
+            100, scratch_dir=where, seed=0, prioritized=True, priority_backend=backend
+        ),
+        lambda buf: (write(buf, 5), write(buf, 4)),
+        lambda buf: buf.sample_n_step(16, n=2),
+    )
+
+
 def test_evicted_steps_leave_the_distribution_and_their_updates_are_skipped(tmp_path: Path) -> None:
     with episodes(tmp_path, max_steps=4) as buf:
         old = write(buf, 3)
