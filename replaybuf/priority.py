@@ -26,10 +26,12 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
   (``[nb, F]``, 8 bytes more per item, rebuilt for the blocks a ``set`` touches), so a draw
   gathers them instead of summing the rows it gathers (:func:`locate_host`).
 
-  On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` also rebuilds one flat
-  cumulative sum over all items (a few kernels; cheap on a GPU, ~1 ms at 1M items on a CPU),
-  and a draw is one ``randint`` and one ``searchsorted`` in it: ~4 kernels instead of ~15,
-  and the GPU's cost per draw is kernel launches, not arithmetic. The flat sums are integers:
+  On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` rebuilds one flat
+  cumulative sum over all items instead of the blocks (a few kernels; cheap on a GPU, ~1 ms
+  at 1M items on a CPU), and a draw is one ``randint`` and one ``searchsorted`` in it: ~4
+  kernels instead of ~15, and the GPU's cost per draw is kernel launches, not arithmetic. The
+  total, minimum and maximum are then reduced from the weights themselves, and come to the
+  host in one copy with the top of the sums. The flat sums are integers:
   item i gets ceil(w_i · 2**62 / total) units (>= 1 when w_i > 0, 0 when absent). Integer
   addition is exact in any order, so a parallel scan gives an absent item exactly its
   predecessor's sum and the first sum >= u (u in [1, last sum]) always belongs to a present
@@ -50,6 +52,7 @@ import functools
 import importlib
 import math
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -385,13 +388,16 @@ class TorchPriorityIndex(PriorityIndex):
         # [nb, F] float64: each block's running sums, for the CPU draw (locate_host); CUDA
         # draws from the flat sums below, and other devices take them per draw (locate).
         self._running: torch.Tensor | None = None
-        if device.type == "cpu":
-            self._running = torch.zeros_like(self._leaves)
         # [nb * F] int64 cumulative units (see the module docstring), on FLAT_DEVICES only.
+        # There the draws and the stats need nothing else: the block tensors above are left
+        # as allocated (a few KB), and every write costs ~10 kernels fewer.
         self._cumulative: torch.Tensor | None = None
+        self._total = torch.zeros((), dtype=torch.float64, device=device)  # flat sums' total
         self._top = 0  # the last cumulative unit, on the host
         if device.type in FLAT_DEVICES:
             self._cumulative = torch.zeros(blocks * self._width, dtype=torch.long, device=device)
+        elif device.type == "cpu":
+            self._running = torch.zeros_like(self._leaves)
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
         if self.device.type == "cpu":  # numpy's unique: a third of the torch version's cost
@@ -400,6 +406,9 @@ class TorchPriorityIndex(PriorityIndex):
         else:
             items, weights = last_write_wins(items, weights)  # [k], [k]
         self._leaves.view(-1).index_copy_(0, items, weights.double())
+        if self._cumulative is not None:  # flat sums: no blocks to keep
+            self._accumulate()
+            return
         if items.numel() * 4 >= self._blocks.numel():  # many blocks touched: redo them all
             self._summarize()
             return
@@ -413,23 +422,25 @@ class TorchPriorityIndex(PriorityIndex):
         self._lowest.index_copy_(0, blocks, lowest)
         self._highest.index_copy_(0, blocks, highest)
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
-        self._accumulate()
 
     def _summarize(self) -> None:
-        """Recompute every block's sum and extremes, and the cumulative starts."""
+        """Recompute every block's sum and extremes, and the cumulative starts (or, on
+        FLAT_DEVICES, the flat sums)."""
+        if self._cumulative is not None:
+            self._accumulate()
+            return
         torch.sum(self._leaves, 1, out=self._blocks)
         if self._running is not None:
             torch.cumsum(self._leaves, 1, out=self._running)
         self._lowest, self._highest = block_extremes(self._leaves.float())
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
-        self._accumulate()
 
     def _accumulate(self) -> None:
-        """Rebuild the flat cumulative integer units, where kept (no host sync)."""
-        if self._cumulative is None:
-            return
+        """Rebuild the total and the flat cumulative integer units (no host sync)."""
+        assert self._cumulative is not None, "only on FLAT_DEVICES"
         leaves = self._leaves.view(-1)
-        units = (leaves * (_UNITS / leaves.sum())).ceil_()  # NaN only where every w is 0
+        self._total = leaves.sum()
+        units = (leaves * (_UNITS / self._total)).ceil_()  # NaN only where every w is 0
         units = torch.where(leaves > 0, units, 0.0).long()
         torch.cumsum(units, 0, out=self._cumulative)
 
@@ -449,10 +460,18 @@ class TorchPriorityIndex(PriorityIndex):
         self._summarize()
 
     def _read_stats(self) -> tuple[float, float, float]:
+        if self._cumulative is not None:  # from the leaves themselves, with the exact top
+            leaves = self._leaves.view(-1)
+            smallest = torch.where(leaves > 0, leaves, math.inf).min()
+            stats = torch.stack([self._total, smallest, leaves.max()])  # float64 [3]
+            # One copy to the host for the float stats and the int64 top: the floats travel
+            # as their bit patterns (int64 views) and are unpacked here.
+            raw = torch.cat([stats.view(torch.long), self._cumulative[-1:]]).tolist()
+            total, smallest_, largest = struct.unpack("3d", struct.pack("3q", *raw[:3]))
+            self._top = raw[3]
+            return total, smallest_, largest
         smallest, largest = self._lowest.min().double(), self._highest.max().double()
         total, smallest, largest = torch.stack([self._starts[-1], smallest, largest]).tolist()
-        if self._cumulative is not None:  # the exact int64 top for randint (a second sync)
-            self._top = int(self._cumulative[-1])
         return total, smallest, largest
 
     def _sample(

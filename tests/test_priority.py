@@ -517,9 +517,15 @@ def test_cuda_index_lives_on_the_gpu_and_matches_the_cpu_tree(monkeypatch):
     assert index.weights().device == torch.device("cpu")
     cpu = index_with("torch", UNEVEN)
     assert index.total() == pytest.approx(cpu.total(), rel=1e-12)
-    masses = torch.rand(4096, dtype=torch.float64) * min(cpu.total(), index.total())
-    on_gpu = locate(index._starts, index._leaves, masses.cuda())
-    on_cpu = locate(cpu._starts, cpu._leaves, masses)
+    assert (index.min_positive(), index.max()) == (cpu.min_positive(), cpu.max())
+    assert torch.equal(index.weights(), cpu.weights())
+    # The blocks' search, which CUDA no longer keeps up to date, on the same weights there.
+    blocks = make_priority_index(len(UNEVEN), "cpu", "torch")
+    blocks.set(torch.arange(len(UNEVEN)), torch.tensor(UNEVEN, dtype=torch.float64))
+    masses = torch.rand(4096, dtype=torch.float64) * blocks.total()
+    leaves = blocks._leaves.cuda()
+    on_gpu = locate(blocks._starts.cuda(), leaves, masses.cuda())
+    on_cpu = locate(blocks._starts, blocks._leaves, masses)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu, strict=True))
     with pytest.raises(ValueError, match="generator must live on the index's device"):
         index.sample(4, torch.Generator().manual_seed(0))
@@ -615,6 +621,21 @@ def flat(monkeypatch):
     monkeypatch.setattr(priority, "FLAT_DEVICES", ("cpu", "cuda"))
 
 
+def test_flat_stats_follow_writes_down_to_nothing_stored(flat):
+    index = make_priority_index(100, "cpu", "torch")
+    assert (index.total(), index.min_positive(), index.max()) == (0.0, math.inf, 0.0)
+    index.set(torch.tensor([3, 70, 99]), torch.tensor([2.0, 0.25, 8.0]))
+    assert (index.total(), index.min_positive(), index.max()) == (10.25, 0.25, 8.0)
+    assert index._top == int(index._cumulative[-1]) > 0
+    index.set(torch.tensor([99, 70]), torch.tensor([0.0, 0.0]))
+    assert (index.total(), index.min_positive(), index.max()) == (2.0, 2.0, 2.0)
+    assert draw(index, 50, 0).tolist() == [3] * 50
+    index.set(torch.tensor([3]), torch.tensor([0.0]))
+    assert (index.total(), index.min_positive(), index.max(), index._top) == (0.0, math.inf, 0.0, 0)
+    with pytest.raises(ValueError, match="nothing to sample"):
+        draw(index, 1, 0)
+
+
 def test_flat_draws_follow_weight_over_total_and_skip_absent_items(flat):
     index = index_with("torch", UNEVEN)
     assert index._cumulative is not None
@@ -652,6 +673,10 @@ def test_flat_draws_own_their_mass_and_have_positive_weight(flat, weights, seed)
     drawn, got = index.sample_weighted(64, torch.Generator().manual_seed(seed), torch.float64)
     assert torch.equal(drawn, items)
     assert torch.equal(got, stored[drawn])
+    # The stats come from the leaves on this path (no blocks): the same values.
+    positive = [w for w in stored.tolist() if w > 0]
+    assert index.total() == pytest.approx(math.fsum(stored.tolist()), rel=1e-12)
+    assert (index.min_positive(), index.max()) == (min(positive), max(stored.tolist()))
 
 
 @settings(max_examples=60, deadline=None)
