@@ -63,7 +63,7 @@ BACKEND_SEGMENT_TREE = "torchrl-segment-tree"
 BACKENDS = ("auto", BACKEND_TORCH, BACKEND_SEGMENT_TREE)
 BACKEND_ENV = "REPLAYBUF_PRIORITY_BACKEND"  # overrides backend="auto" (CI runs the fallback)
 FLOAT32_MAX = torch.finfo(torch.float32).max  # TorchRL's min-tree identity (padding leaves)
-FLAT_DEVICES = ("cuda",)  # where the torch backend also keeps flat cumulative sums
+FLAT_DEVICES = ("cuda",)  # where the torch backend keeps flat cumulative sums, not blocks
 _UNITS = 2.0**62  # integer units the flat sums divide the total into
 
 
@@ -370,8 +370,8 @@ class PriorityIndex(abc.ABC):
         is known to be > 0."""
 
 
-class TorchPriorityIndex(PriorityIndex):
-    """The pure-torch backend: blocked weights on ``device`` (see the module docstring)."""
+class _LeafIndex(PriorityIndex):
+    """What both pure-torch structures share: the float64 weights, ``[nb, F]`` on ``device``."""
 
     backend = BACKEND_TORCH
 
@@ -380,35 +380,49 @@ class TorchPriorityIndex(PriorityIndex):
         self._width = block_width(capacity)  # F
         blocks = -(-capacity // self._width)  # nb
         self._leaves = torch.zeros(blocks, self._width, dtype=torch.float64, device=device)
-        self._blocks = torch.zeros(blocks, dtype=torch.float64, device=device)  # [nb] sums
-        self._starts = torch.zeros(blocks + 1, dtype=torch.float64, device=device)  # [nb+1]
-        # [nb] float32 each: the smallest positive weight (+inf if none) and the largest weight
-        # of every block; separate contiguous columns, so that their reductions stay fast.
-        self._lowest, self._highest = block_extremes(torch.zeros(blocks, 1, device=device))
-        # [nb, F] float64: each block's running sums, for the CPU draw (locate_host); CUDA
-        # draws from the flat sums below, and other devices take them per draw (locate).
-        self._running: torch.Tensor | None = None
-        # [nb * F] int64 cumulative units (see the module docstring), on FLAT_DEVICES only.
-        # There the draws and the stats need nothing else: the block tensors above are left
-        # as allocated (a few KB), and every write costs ~10 kernels fewer.
-        self._cumulative: torch.Tensor | None = None
-        self._total = torch.zeros((), dtype=torch.float64, device=device)  # flat sums' total
-        self._top = 0  # the last cumulative unit, on the host
-        if device.type in FLAT_DEVICES:
-            self._cumulative = torch.zeros(blocks * self._width, dtype=torch.long, device=device)
-        elif device.type == "cpu":
-            self._running = torch.zeros_like(self._leaves)
 
-    def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
+    def _store(self, items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Write the weights (duplicates: the last one wins); the written items, sorted."""
         if self.device.type == "cpu":  # numpy's unique: a third of the torch version's cost
             unique, values = last_write_wins_host(items.numpy(), weights.numpy())
             items, weights = torch.from_numpy(unique), torch.from_numpy(values)
         else:
             items, weights = last_write_wins(items, weights)  # [k], [k]
         self._leaves.view(-1).index_copy_(0, items, weights.double())
-        if self._cumulative is not None:  # flat sums: no blocks to keep
-            self._accumulate()
-            return
+        return items
+
+    def _read(self, items: torch.Tensor) -> torch.Tensor:
+        return self._leaves.view(-1).index_select(0, items).float()
+
+    def _rebuild(self, weights: torch.Tensor) -> None:
+        self._leaves.zero_()
+        self._leaves.view(-1)[: self.capacity] = weights.double()
+        self._summarize()
+
+    @abc.abstractmethod
+    def _summarize(self) -> None:
+        """Recompute everything derived from the weights."""
+
+
+class TorchPriorityIndex(_LeafIndex):
+    """The pure-torch backend: blocked weights on ``device`` (see the module docstring)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        super().__init__(capacity, device)
+        blocks = self._leaves.shape[0]  # nb
+        self._blocks = torch.zeros(blocks, dtype=torch.float64, device=device)  # [nb] sums
+        self._starts = torch.zeros(blocks + 1, dtype=torch.float64, device=device)  # [nb+1]
+        # [nb] float32 each: the smallest positive weight (+inf if none) and the largest weight
+        # of every block; separate contiguous columns, so that their reductions stay fast.
+        self._lowest, self._highest = block_extremes(torch.zeros(blocks, 1, device=device))
+        # [nb, F] float64: each block's running sums, for the CPU draw (locate_host); other
+        # devices take them per draw (locate).
+        self._running: torch.Tensor | None = None
+        if device.type == "cpu":
+            self._running = torch.zeros_like(self._leaves)
+
+    def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
+        items = self._store(items, weights)
         if items.numel() * 4 >= self._blocks.numel():  # many blocks touched: redo them all
             self._summarize()
             return
@@ -424,20 +438,47 @@ class TorchPriorityIndex(PriorityIndex):
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
 
     def _summarize(self) -> None:
-        """Recompute every block's sum and extremes, and the cumulative starts (or, on
-        FLAT_DEVICES, the flat sums)."""
-        if self._cumulative is not None:
-            self._accumulate()
-            return
+        """Recompute every block's sum and extremes, and the cumulative starts."""
         torch.sum(self._leaves, 1, out=self._blocks)
         if self._running is not None:
             torch.cumsum(self._leaves, 1, out=self._running)
         self._lowest, self._highest = block_extremes(self._leaves.float())
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
 
-    def _accumulate(self) -> None:
+    def _read_stats(self) -> tuple[float, float, float]:
+        smallest, largest = self._lowest.min().double(), self._highest.max().double()
+        total, smallest, largest = torch.stack([self._starts[-1], smallest, largest]).tolist()
+        return total, smallest, largest
+
+    def _sample(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._running is not None:  # the CPU: numpy views of the same tensors
+            starts, running = self._starts.numpy(), self._running.numpy()
+            masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
+            items, weights = locate_host(starts, running, self._leaves.numpy(), masses)
+            return torch.from_numpy(items), torch.from_numpy(weights)
+        masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
+        return locate(self._starts, self._leaves, masses)
+
+
+class FlatPriorityIndex(_LeafIndex):
+    """The pure-torch backend on FLAT_DEVICES (CUDA): flat int64 cumulative units of the
+    weights, no blocks (see the module docstring); a draw is a ``randint`` and a
+    ``searchsorted``, a write ~10 kernels fewer than keeping blocks as well."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        super().__init__(capacity, device)
+        self._cumulative = torch.zeros(self._leaves.numel(), dtype=torch.long, device=device)
+        self._total = torch.zeros((), dtype=torch.float64, device=device)
+        self._top = 0  # the last cumulative unit, on the host
+
+    def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
+        self._store(items, weights)
+        self._summarize()
+
+    def _summarize(self) -> None:
         """Rebuild the total and the flat cumulative integer units (no host sync)."""
-        assert self._cumulative is not None, "only on FLAT_DEVICES"
         leaves = self._leaves.view(-1)
         self._total = leaves.sum()
         units = (leaves * (_UNITS / self._total)).ceil_()  # NaN only where every w is 0
@@ -451,42 +492,23 @@ class TorchPriorityIndex(PriorityIndex):
             1, self._top + 1, (batch_size,), generator=generator, device=self.device
         )
 
-    def _read(self, items: torch.Tensor) -> torch.Tensor:
-        return self._leaves.view(-1).index_select(0, items).float()
-
-    def _rebuild(self, weights: torch.Tensor) -> None:
-        self._leaves.zero_()
-        self._leaves.view(-1)[: self.capacity] = weights.double()
-        self._summarize()
-
     def _read_stats(self) -> tuple[float, float, float]:
-        if self._cumulative is not None:  # from the leaves themselves, with the exact top
-            leaves = self._leaves.view(-1)
-            smallest = torch.where(leaves > 0, leaves, math.inf).min()
-            stats = torch.stack([self._total, smallest, leaves.max()])  # float64 [3]
-            # One copy to the host for the float stats and the int64 top: the floats travel
-            # as their bit patterns (int64 views) and are unpacked here.
-            raw = torch.cat([stats.view(torch.long), self._cumulative[-1:]]).tolist()
-            total, smallest_, largest = struct.unpack("3d", struct.pack("3q", *raw[:3]))
-            self._top = raw[3]
-            return total, smallest_, largest
-        smallest, largest = self._lowest.min().double(), self._highest.max().double()
-        total, smallest, largest = torch.stack([self._starts[-1], smallest, largest]).tolist()
-        return total, smallest, largest
+        leaves = self._leaves.view(-1)
+        smallest = torch.where(leaves > 0, leaves, math.inf).min()
+        stats = torch.stack([self._total, smallest, leaves.max()])  # float64 [3]
+        # One copy to the host for the float stats and the int64 top: the floats travel as
+        # their bit patterns (int64 views) and are unpacked here.
+        raw = torch.cat([stats.view(torch.long), self._cumulative[-1:]]).tolist()
+        total, smallest_, largest = struct.unpack("3d", struct.pack("3q", *raw[:3]))
+        self._top = raw[3]
+        return total, smallest_, largest
 
     def _sample(
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cumulative is not None:  # the first sum >= u: a present item
-            items = torch.searchsorted(self._cumulative, self._flat_masses(batch_size, generator))
-            return items, self._leaves.view(-1).index_select(0, items)
-        if self._running is not None:  # the CPU: numpy views of the same tensors
-            starts, running = self._starts.numpy(), self._running.numpy()
-            masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
-            items, weights = locate_host(starts, running, self._leaves.numpy(), masses)
-            return torch.from_numpy(items), torch.from_numpy(weights)
-        masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
-        return locate(self._starts, self._leaves, masses)
+        # The first sum >= u belongs to a present item.
+        items = torch.searchsorted(self._cumulative, self._flat_masses(batch_size, generator))
+        return items, self._leaves.view(-1).index_select(0, items)
 
 
 def block_extremes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -609,4 +631,6 @@ def make_priority_index(
     device = torch.device(device)
     if _chosen_backend(backend, device) == BACKEND_SEGMENT_TREE:
         return SegmentTreePriorityIndex(capacity, device)
+    if device.type in FLAT_DEVICES:
+        return FlatPriorityIndex(capacity, device)
     return TorchPriorityIndex(capacity, device)
