@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH ?= torch==2.14.1
 PY := $(VENV)/bin/python
 # The tests cover every integration, so the test venv gets every extra.
-EXTRAS ?= dev,examples,sb3,ray,bench
+EXTRAS ?= dev,examples,sb3,ray,bench,fast
 
 BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
+
+from replaybuf.priority import make_priority_index, relative_power
 
 if TYPE_CHECKING:
     from replaybuf.priority import PriorityIndex
@@ -83,8 +84,6 @@ class Prioritizer:
         eps: float,
         backend: str = "auto",
     ) -> None:
-        from replaybuf.priority import make_priority_index  # only prioritized buffers need it
-
         self.alpha, self.beta, self.eps = check_alpha(alpha), check_beta(beta), check_eps(eps)
         self.tree: PriorityIndex = make_priority_index(capacity, device, backend)
 
@@ -116,8 +115,10 @@ class Prioritizer:
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` items drawn ∝ weight, and their importance weights (float32 ``[B]``)."""
-        items, weights = self.tree.sample_weighted(batch_size, generator, torch.float64)
-        return items, self.importance_of(weights)
+        if not math.isfinite(self.tree.min_positive()) or self.beta == 0:
+            items = self.tree.sample(batch_size, generator)
+            return items, torch.ones(items.shape, dtype=torch.float32, device=items.device)
+        return self.tree.sample_relative(batch_size, generator, -self.beta)
 
     def importance(self, items: torch.Tensor) -> torch.Tensor:
         """(P(i) / P_min)^-β, the PER weight normalised by its maximum over stored items."""
@@ -131,20 +132,17 @@ class Prioritizer:
         smallest = self.tree.min_positive()
         if not math.isfinite(smallest) or self.beta == 0:
             return torch.ones(weights.shape, dtype=torch.float32, device=weights.device)
-        if weights.device.type == "cpu":  # numpy: a fraction of torch's per-call cost here
-            ratio = weights.numpy().astype(np.float64) / smallest
-            return torch.from_numpy(np.power(ratio, -self.beta, out=ratio).astype(np.float32))
-        ratio = weights.to(torch.float64) / smallest  # a new tensor: safe to work in place
-        return ratio.pow_(-self.beta).to(torch.float32)
+        return relative_power(weights, smallest, -self.beta)
 
 
 def priority_stats(priorities: Prioritizer | None) -> dict[str, Any]:
     """The ``stats()`` entries about prioritization (which backend runs, α, β)."""
     if priorities is None:
-        return {"prioritized": False, "priority_backend": None}
+        return {"prioritized": False, "priority_backend": None, "priority_kernels": None}
     return {
         "prioritized": True,
         "priority_backend": priorities.backend,
+        "priority_kernels": priorities.tree.kernels,
         "alpha": priorities.alpha,
         "beta": priorities.beta,
         "eps": priorities.eps,

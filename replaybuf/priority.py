@@ -14,7 +14,7 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
   TorchRL's trees exist only in C++ on the CPU. Items sit in blocks of F::
 
       leaves  [nb, F] float64   w_0 .. w_{F-1} | w_F .. w_{2F-1} | ... (padding 0)
-      blocks  [nb]    float64   the sum of each block
+      blocks  [nb]    float64   the sum of each block (on the CPU: its last running sum)
       starts  [nb+1]  float64   0, blocks[0], blocks[0]+blocks[1], ...  (cumulative)
 
   A draw is ~15 kernels whatever the capacity (a binary tree descent costs ~4 per level, 80 at
@@ -24,7 +24,9 @@ u = (1 - U[0, 1)) · total in (0, total] (u > 0 never lands on a leading absent 
   F grows with sqrt(capacity) to keep both the row scan and the O(nb) rebuild of ``starts``
   after each ``set`` small. On the CPU the index also keeps every block's running sums
   (``[nb, F]``, 8 bytes more per item, rebuilt for the blocks a ``set`` touches), so a draw
-  gathers them instead of summing the rows it gathers (:func:`locate_host`).
+  gathers them instead of summing the rows it gathers (:func:`locate_host`). Where numba is
+  installed, :mod:`replaybuf.kernels` runs the CPU draws and small writes compiled, with the
+  same results bit for bit (``kernels`` says which runs: "numba" or "numpy").
 
   On CUDA (``FLAT_DEVICES``) a draw is shorter still: each ``set`` rebuilds one flat
   cumulative sum over all items instead of the blocks (a few kernels; cheap on a GPU, ~1 ms
@@ -53,6 +55,7 @@ import importlib
 import math
 import os
 import struct
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -62,6 +65,7 @@ BACKEND_TORCH = "torch"
 BACKEND_SEGMENT_TREE = "torchrl-segment-tree"
 BACKENDS = ("auto", BACKEND_TORCH, BACKEND_SEGMENT_TREE)
 BACKEND_ENV = "REPLAYBUF_PRIORITY_BACKEND"  # overrides backend="auto" (CI runs the fallback)
+NUMBA_ENV = "REPLAYBUF_NUMBA"  # "0": the CPU torch index runs numpy, not replaybuf.kernels
 FLOAT32_MAX = torch.finfo(torch.float32).max  # TorchRL's min-tree identity (padding leaves)
 FLAT_DEVICES = ("cuda",)  # where the torch backend keeps flat cumulative sums, not blocks
 _UNITS = 2.0**62  # integer units the flat sums divide the total into
@@ -157,6 +161,16 @@ def locate_host(
     return items, leaves.reshape(-1)[items]
 
 
+def relative_power(weights: torch.Tensor, smallest: float, power: float) -> torch.Tensor:
+    """float32 (weights / smallest) ** power, for float ``weights`` of any shape that hold the
+    index's weights exactly."""
+    if weights.device.type == "cpu":  # numpy: a fraction of torch's per-call cost here
+        ratio = weights.numpy().astype(np.float64) / smallest  # a new array: safe in place
+        return torch.from_numpy(np.power(ratio, power, out=ratio).astype(np.float32))
+    ratio = weights.to(torch.float64) / smallest  # a new tensor: safe to work in place
+    return ratio.pow_(power).to(torch.float32)
+
+
 def nearest_positive(items: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each item moved to the nearest item of positive weight at or before it (else after it)."""
     positive = torch.nonzero(weights > 0).flatten()  # [m] sorted, m >= 1 when total > 0
@@ -178,6 +192,32 @@ def _segment_trees() -> tuple[Any, Any] | str:
         )
 
 
+@functools.cache
+def _load_kernels() -> ModuleType | str:
+    """:mod:`replaybuf.kernels` (compiled at import), or why it does not load."""
+    try:
+        return importlib.import_module("replaybuf.kernels")
+    except Exception as error:  # ImportError without numba; numba's own errors otherwise
+        return f"replaybuf.kernels does not load ({type(error).__name__}: {error})"
+
+
+def compiled_kernels() -> ModuleType | None:
+    """The numba kernels for the CPU torch index, or None: numba is missing, they fail to
+    compile, or ``REPLAYBUF_NUMBA=0`` (read whenever an index is built) turns them off."""
+    if os.environ.get(NUMBA_ENV, "1") == "0":
+        return None
+    kernels = _load_kernels()
+    return None if isinstance(kernels, str) else kernels
+
+
+def kernels_unavailable_reason() -> str | None:
+    """Why the CPU torch index runs numpy instead of the numba kernels, or None when it can."""
+    if os.environ.get(NUMBA_ENV, "1") == "0":
+        return f"{NUMBA_ENV}=0"
+    kernels = _load_kernels()
+    return kernels if isinstance(kernels, str) else None
+
+
 def segment_tree_unavailable_reason() -> str | None:
     """Why TorchRL's compiled segment trees cannot be used here, or None when they load."""
     trees = _segment_trees()
@@ -194,6 +234,7 @@ class PriorityIndex(abc.ABC):
     """
 
     backend: str
+    kernels: str  # what runs draws and writes: "torchrl", "numba", "numpy" or "torch"
     capacity: int
     device: torch.device
 
@@ -204,8 +245,8 @@ class PriorityIndex(abc.ABC):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(backend={self.backend!r}, capacity={self.capacity}, "
-            f"device={self.device}, total={self.total()!r})"
+            f"{type(self).__name__}(backend={self.backend!r}, kernels={self.kernels!r}, "
+            f"capacity={self.capacity}, device={self.device}, total={self.total()!r})"
         )
 
     def set(self, items: torch.Tensor, weights: torch.Tensor) -> None:
@@ -275,6 +316,19 @@ class PriorityIndex(abc.ABC):
         The draws equal :meth:`sample`'s for the same generator state. ``dtype=torch.float64``
         returns the same weights without the conversion (float32 values are exact in float64).
         """
+        self._check_draw(batch_size, generator)
+        items, sums = self._sample(batch_size, generator)
+        return items, sums.to(dtype)
+
+    def sample_relative(
+        self, batch_size: int, generator: torch.Generator, power: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample`'s items and float32 (weight / min_positive) ** ``power`` of each:
+        PER's importance weights for ``power = -beta``. The draws equal :meth:`sample`'s."""
+        items, sums = self.sample_weighted(batch_size, generator, torch.float64)
+        return items, relative_power(sums, self._stats[1], power)
+
+    def _check_draw(self, batch_size: int, generator: torch.Generator) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
         if generator.device.type != self.device.type:
@@ -284,8 +338,6 @@ class PriorityIndex(abc.ABC):
             )
         if not self._stats[0] > 0:
             raise ValueError("nothing to sample: every weight is 0")
-        items, sums = self._sample(batch_size, generator)
-        return items, sums.to(dtype)
 
     def weights(self) -> torch.Tensor:
         """All ``capacity`` weights, float32 on the CPU (for checkpoints)."""
@@ -374,6 +426,7 @@ class _LeafIndex(PriorityIndex):
     """What both pure-torch structures share: the float64 weights, ``[nb, F]`` on ``device``."""
 
     backend = BACKEND_TORCH
+    kernels = "torch"
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         super().__init__(capacity, device)
@@ -416,22 +469,40 @@ class TorchPriorityIndex(_LeafIndex):
         # of every block; separate contiguous columns, so that their reductions stay fast.
         self._lowest, self._highest = block_extremes(torch.zeros(blocks, 1, device=device))
         # [nb, F] float64: each block's running sums, for the CPU draw (locate_host); other
-        # devices take them per draw (locate).
+        # devices take them per draw (locate). On the CPU a block's sum is its last running
+        # sum (sequential), so the kernels' sums equal these bit for bit.
         self._running: torch.Tensor | None = None
+        # On the CPU: numpy views of (leaves, running, blocks, lowest, highest, starts), which
+        # every write and draw use (these tensors are only ever written in place), and the
+        # compiled kernels where they load.
+        self._host: tuple[np.ndarray, ...] | None = None
+        self.compiled: ModuleType | None = None
         if device.type == "cpu":
             self._running = torch.zeros_like(self._leaves)
+            tensors = (self._leaves, self._running, self._blocks, self._lowest, self._highest)
+            self._host = tuple(t.numpy() for t in (*tensors, self._starts))
+            self.compiled = compiled_kernels()
+            self.kernels = "numpy" if self.compiled is None else "numba"
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
+        few = items.numel() * 4 < self._blocks.numel()  # else many blocks: redo them all
+        if few and self.compiled is not None and self._host is not None:
+            weights64 = np.ascontiguousarray(weights.numpy(), dtype=np.float64)
+            self.compiled.write(np.ascontiguousarray(items.numpy()), weights64, *self._host)
+            return
         items = self._store(items, weights)
-        if items.numel() * 4 >= self._blocks.numel():  # many blocks touched: redo them all
+        if not few:
             self._summarize()
             return
         # Duplicate blocks recompute the same values: harmless with index_copy_.
         blocks = items.div(self._width, rounding_mode="floor")  # [k]
         rows = self._leaves.index_select(0, blocks)  # [k, F]
-        self._blocks.index_copy_(0, blocks, rows.sum(1))
         if self._running is not None:
-            self._running.index_copy_(0, blocks, rows.cumsum(1))
+            running = rows.cumsum(1)
+            self._running.index_copy_(0, blocks, running)
+            self._blocks.index_copy_(0, blocks, running[:, -1])
+        else:
+            self._blocks.index_copy_(0, blocks, rows.sum(1))
         lowest, highest = block_extremes(rows.float())
         self._lowest.index_copy_(0, blocks, lowest)
         self._highest.index_copy_(0, blocks, highest)
@@ -439,13 +510,20 @@ class TorchPriorityIndex(_LeafIndex):
 
     def _summarize(self) -> None:
         """Recompute every block's sum and extremes, and the cumulative starts."""
-        torch.sum(self._leaves, 1, out=self._blocks)
         if self._running is not None:
             torch.cumsum(self._leaves, 1, out=self._running)
-        self._lowest, self._highest = block_extremes(self._leaves.float())
+            self._blocks.copy_(self._running[:, -1])
+        else:
+            torch.sum(self._leaves, 1, out=self._blocks)
+        lowest, highest = block_extremes(self._leaves.float())
+        self._lowest.copy_(lowest)  # in place: the host views stay valid
+        self._highest.copy_(highest)
         torch.cumsum(self._blocks, 0, out=self._starts[1:])
 
     def _read_stats(self) -> tuple[float, float, float]:
+        if self._host is not None:  # numpy: a fraction of torch's per-call cost
+            lowest, highest, starts = self._host[3:]
+            return float(starts[-1]), float(lowest.min()), float(highest.max())
         smallest, largest = self._lowest.min().double(), self._highest.max().double()
         total, smallest, largest = torch.stack([self._starts[-1], smallest, largest]).tolist()
         return total, smallest, largest
@@ -453,13 +531,33 @@ class TorchPriorityIndex(_LeafIndex):
     def _sample(
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._running is not None:  # the CPU: numpy views of the same tensors
-            starts, running = self._starts.numpy(), self._running.numpy()
+        if self._host is not None:  # the CPU: numpy views of the same tensors
+            leaves, running, starts = self._host[0], self._host[1], self._host[5]
             masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
-            items, weights = locate_host(starts, running, self._leaves.numpy(), masses)
+            if self.compiled is None:
+                items, weights = locate_host(starts, running, leaves, masses)
+            else:
+                items, weights = np.empty(batch_size, np.int64), np.empty(batch_size)
+                self.compiled.locate(starts, running, leaves, masses, items, weights)
             return torch.from_numpy(items), torch.from_numpy(weights)
         masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
         return locate(self._starts, self._leaves, masses)
+
+    def sample_relative(
+        self, batch_size: int, generator: torch.Generator, power: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled is None or self._host is None:
+            return super().sample_relative(batch_size, generator, power)
+        # One kernel from U to the relative weights: on the CPU each numpy call between these
+        # steps costs microseconds, more so after a batch's gathers have evicted the caches.
+        self._check_draw(batch_size, generator)
+        leaves, running, starts = self._host[0], self._host[1], self._host[5]
+        uniform = torch.rand(batch_size, generator=generator, dtype=torch.float64)
+        items, relative = np.empty(batch_size, np.int64), np.empty(batch_size, np.float32)
+        self.compiled.draw_relative(
+            uniform.numpy(), starts, running, leaves, self._stats[1], power, items, relative
+        )
+        return torch.from_numpy(items), torch.from_numpy(relative)
 
 
 class FlatPriorityIndex(_LeafIndex):
@@ -531,6 +629,7 @@ class SegmentTreePriorityIndex(PriorityIndex):
     """
 
     backend = BACKEND_SEGMENT_TREE
+    kernels = "torchrl"
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         super().__init__(capacity, device)
@@ -598,6 +697,8 @@ def _chosen_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == BACKEND_TORCH or (backend == "auto" and device.type != "cpu"):
         return BACKEND_TORCH
+    if backend == "auto" and compiled_kernels() is not None:
+        return BACKEND_TORCH  # with replaybuf.kernels it draws ~2x faster than TorchRL's tree
     reason = segment_tree_unavailable_reason()  # the extension is first loaded here
     if backend == "auto":
         return BACKEND_TORCH if reason else BACKEND_SEGMENT_TREE
@@ -620,8 +721,10 @@ def make_priority_index(
         capacity: Number of items (ids ``0 .. capacity-1``), >= 1.
         device: Where ``get`` and ``sample`` results live (and, for "torch", the trees).
         backend: "torchrl-segment-tree" (TorchRL's C++ trees, CPU only), "torch" (tensors on
-            ``device``, CUDA included) or "auto": the segment tree on CPU where TorchRL's
-            extension loads, else "torch". ``REPLAYBUF_PRIORITY_BACKEND`` overrides "auto".
+            ``device``, CUDA included) or "auto": on the CPU "torch" where its numba kernels
+            load (:mod:`replaybuf.kernels`, the ``fast`` extra), else the segment tree where
+            TorchRL's extension loads, else "torch"; "torch" on other devices.
+            ``REPLAYBUF_PRIORITY_BACKEND`` overrides "auto".
 
     Raises:
         ValueError: a bad capacity or backend name, or a backend that cannot run here (why).

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer, priority
 from replaybuf.priority import make_priority_index
 
 
@@ -345,3 +345,33 @@ def test_without_torchrls_extension_both_buffers_still_prioritize(
         write(episodic, 3)
         assert episodic.stats()["priority_backend"] == "torch"
         assert episodic.sample_n_step(4)["weight"].shape == (4,)
+
+
+@pytest.mark.skipif(
+    priority.kernels_unavailable_reason() is not None, reason="replaybuf.kernels does not load"
+)
+def test_compiled_and_numpy_draws_give_the_same_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU torch index with the numba kernels and without: the same items, index and
+    importance weights (float32, pow from two libraries: equal to 1e-6), and stats() says
+    which ran."""
+    rings = {}
+    for kernels in ("numba", "numpy"):
+        monkeypatch.setenv(priority.NUMBA_ENV, "0" if kernels == "numpy" else "1")
+        (tmp_path / kernels).mkdir()
+        rings[kernels] = ring(tmp_path / kernels, "torch", capacity=300, beta=0.6)
+        assert rings[kernels].stats()["priority_kernels"] == kernels
+    for buf in rings.values():
+        add(buf, 0, 500)  # 200 overwritten
+        ids = torch.arange(200, 500)
+        buf.update_priorities(ids, (ids % 17).double() ** 2)
+    for _ in range(3):
+        got, expected = (rings[k].sample_batch(64) for k in ("numba", "numpy"))
+        assert torch.equal(got["x"], expected["x"])
+        assert torch.equal(got["index"], expected["index"])
+        torch.testing.assert_close(got["weight"], expected["weight"], rtol=1e-6, atol=0)
+    for buf in rings.values():
+        buf.close()
+    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as plain:
+        assert plain.stats()["priority_kernels"] is None

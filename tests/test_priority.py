@@ -31,12 +31,25 @@ from replaybuf.priority import (
 
 MISSING = segment_tree_unavailable_reason()
 needs_segment_tree = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING}")
+NO_KERNELS = priority.kernels_unavailable_reason()
+needs_kernels = pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 BACKENDS = [
     "torch",
     pytest.param("torchrl-segment-tree", marks=needs_segment_tree),
 ]
 BACKENDS_BY_NAME = ("torch", "torchrl-segment-tree")
 CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True, params=[pytest.param("numba", marks=needs_kernels), "numpy"])
+def cpu_kernels(request, monkeypatch):
+    """Every test twice: the CPU torch index with replaybuf.kernels (numba) and without."""
+    if request.param == "numpy":
+        monkeypatch.setenv(priority.NUMBA_ENV, "0")
+    else:
+        monkeypatch.delenv(priority.NUMBA_ENV, raising=False)
+    return request.param
+
 
 # 20 items, 5 absent, the rest spread over more than three decades.
 UNEVEN = [0, 1000, 0.3, 50, 0, 2, 7, 0.5, 300, 1, 0, 20, 0.25, 4, 90, 0, 8, 0.4, 60, 15]
@@ -350,10 +363,30 @@ def test_segment_tree_on_cuda_is_refused_before_anything_is_allocated():
         make_priority_index(4, "cuda", "torchrl-segment-tree")
 
 
-def test_auto_takes_the_segment_tree_on_cpu_where_it_loads(monkeypatch):
+def test_auto_on_cpu_takes_the_kernels_then_the_segment_tree_then_torch(monkeypatch, cpu_kernels):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    expected = "torch" if MISSING else "torchrl-segment-tree"
-    assert make_priority_index(4, "cpu").backend == expected
+    index = make_priority_index(4, "cpu")
+    if cpu_kernels == "numba":  # the compiled draw beats TorchRL's tree (benchmarks/)
+        assert (index.backend, index.kernels) == ("torch", "numba")
+    else:
+        expected = ("torch", "numpy") if MISSING else ("torchrl-segment-tree", "torchrl")
+        assert (index.backend, index.kernels) == expected
+    assert make_priority_index(4, "cpu", "torch").kernels == cpu_kernels
+    assert f"kernels={cpu_kernels!r}" in repr(make_priority_index(4, "cpu", "torch"))
+
+
+def test_the_kernel_loader_reports_failures_instead_of_raising(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # numba not installed
+    monkeypatch.delitem(sys.modules, "replaybuf.kernels", raising=False)
+    reason = priority._load_kernels.__wrapped__()
+    assert isinstance(reason, str)
+    assert "replaybuf.kernels does not load (ModuleNotFoundError: " in reason
+    monkeypatch.setattr(priority, "_load_kernels", lambda: reason)
+    monkeypatch.delenv(priority.NUMBA_ENV, raising=False)
+    assert priority.kernels_unavailable_reason() == reason
+    assert make_priority_index(4, "cpu", "torch").kernels == "numpy"
+    monkeypatch.setenv(priority.NUMBA_ENV, "0")
+    assert priority.kernels_unavailable_reason() == f"{priority.NUMBA_ENV}=0"
 
 
 def test_env_var_overrides_auto_only(monkeypatch):
@@ -573,7 +606,8 @@ def test_last_write_wins_host_keeps_each_items_last_value():
 )
 def test_small_writes_keep_every_block_summary_of_a_large_index(calls, seed):
     """Writes touching few of the 125 blocks update only those blocks' sums, running sums and
-    extremes (larger ones recompute all): both must leave what a full recompute gives."""
+    extremes (larger ones recompute all; the kernels do the small ones where they load): all
+    must leave what a full recompute gives, bit for bit."""
     index = make_priority_index(4000, "cpu", "torch")
     for call in calls:
         items = torch.tensor([item for item, _ in call], dtype=torch.long)
@@ -582,7 +616,10 @@ def test_small_writes_keep_every_block_summary_of_a_large_index(calls, seed):
     assert index.weights().tolist() == expected
     leaves = index._leaves
     assert torch.equal(index._running, leaves.cumsum(1))
-    assert torch.equal(index._starts[1:], leaves.sum(1).cumsum(0))
+    assert torch.equal(index._blocks, leaves.cumsum(1)[:, -1])  # sequential, like the kernels
+    assert torch.equal(index._starts[1:], index._blocks.cumsum(0))
+    assert torch.equal(index._lowest, torch.where(leaves > 0, leaves, math.inf).amin(1).float())
+    assert torch.equal(index._highest, leaves.amax(1).float())
     positive = [w for w in expected if w > 0]
     assert index.min_positive() == (min(positive) if positive else math.inf)
     assert index.max() == max(expected)
@@ -699,3 +736,82 @@ def test_locate_numpy_and_torch_paths_agree_bit_for_bit(weights, seed):
     assert np.array_equal(items.numpy(), host_items)
     assert np.array_equal(got.numpy(), host_got)
     assert (host_got > 0).all()
+
+
+RUNS = st.lists(  # runs of equal weights: long runs of zeros leave whole blocks empty
+    st.tuples(st.integers(1, 90), st.one_of(st.just(0.0), st.floats(1e-20, 1e20))),
+    min_size=1,
+    max_size=40,
+)
+
+
+@needs_kernels
+@settings(max_examples=80, deadline=None)
+@given(runs=RUNS, seed=st.integers(0, 2**31 - 1))
+def test_compiled_locate_equals_numpy_bit_for_bit(runs, seed):
+    """:func:`replaybuf.kernels.locate` (a level-synchronous search) against
+    :func:`locate_host` (numpy's ``searchsorted``): random masses, the smallest one, and
+    every block's end exactly (where the next blocks may be empty: the search must stop at
+    the first block that reaches the mass)."""
+    from replaybuf import kernels
+
+    index = index_with("torch", [weight for length, weight in runs for _ in range(length)])
+    if index.total() == 0:
+        return
+    starts, running, leaves = (t.numpy() for t in (index._starts, index._running, index._leaves))
+    generator = torch.Generator().manual_seed(seed)
+    masses = priority.sample_masses(64, index.total(), generator, torch.device("cpu")).numpy()
+    masses = np.concatenate([masses, [5e-324], starts[1:][starts[1:] > 0]])
+    items, got = np.empty(masses.size, np.int64), np.empty(masses.size)
+    kernels.locate(starts, running, leaves, masses, items, got)
+    expected_items, expected = locate_host(starts, running, leaves, masses)
+    assert np.array_equal(items, expected_items)
+    assert np.array_equal(got, expected)
+    assert (got > 0).all()
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(
+        st.lists(st.tuples(st.integers(0, 3999), WEIGHTS), min_size=1, max_size=40),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_compiled_writes_leave_the_numpy_paths_state_bit_for_bit(calls):
+    """The same ``set`` calls through the kernels and through numpy/torch: equal tensors."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(priority.NUMBA_ENV, raising=False)
+        compiled = make_priority_index(4000, "cpu", "torch")
+        patch.setenv(priority.NUMBA_ENV, "0")
+        plain = make_priority_index(4000, "cpu", "torch")
+    assert (compiled.kernels, plain.kernels) == ("numba", "numpy")
+    for call in calls:
+        items = torch.tensor([item for item, _ in call], dtype=torch.long)
+        weights = torch.tensor([weight for _, weight in call], dtype=torch.float64)
+        compiled.set(items, weights)
+        plain.set(items, weights)
+    for name in ("_leaves", "_running", "_blocks", "_starts", "_lowest", "_highest"):
+        assert torch.equal(getattr(compiled, name), getattr(plain, name)), name
+    assert compiled._stats == plain._stats
+    assert compiled.weights().tolist() == reference_after(4000, calls)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-20, 1e20)), min_size=1, max_size=300),
+    seed=st.integers(0, 2**31 - 1),
+    power=st.sampled_from([-1.0, -0.4, -0.0, 0.5]),
+)
+def test_sample_relative_draws_as_sample_and_powers_the_weights(weights, seed, power):
+    """The fused CPU draw (kernels) and the generic one: sample's items, (w / min) ** power."""
+    index = index_with("torch", weights)
+    if index.total() == 0:
+        return
+    items, relative = index.sample_relative(50, torch.Generator().manual_seed(seed), power)
+    assert torch.equal(items, draw(index, 50, seed))
+    assert relative.dtype == torch.float32
+    stored = np.array(weights, dtype=np.float32).astype(np.float64)
+    expected = (stored[items.numpy()] / stored[stored > 0].min()) ** power
+    np.testing.assert_allclose(relative.numpy(), expected.astype(np.float32), rtol=1e-6)
