@@ -5,7 +5,8 @@ number the median over repeats that go round-robin over the implementations of a
 
 1. ``ReplayBuffer.sample_batch(256)`` from ``--items`` (1,000,000) stored transitions
    (obs f32[17], action f32[6], reward f32, done bool), prioritized with each priority backend
-   ("torchrl-segment-tree": TorchRL's C++ trees; "torch": pure torch), beside uniform
+   ("torchrl-segment-tree": TorchRL's C++ trees; "torch": replaybuf's blocks, run by the numba
+   kernels of the ``fast`` extra where installed, else numpy), beside uniform
    ``sample_batch(256)`` of an identical non-prioritized buffer (target: within 3x), for memmap
    and tensor storage; and beside TorchRL's ``TensorDictPrioritizedReplayBuffer(alpha=0.6,
    beta=0.4)`` over ``LazyMemmapStorage`` / ``LazyTensorStorage`` (``.sample(256)``) holding the
@@ -63,7 +64,7 @@ from torchrl.data import (
 
 import replaybuf
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.priority import segment_tree_unavailable_reason
+from replaybuf.priority import kernels_unavailable_reason, segment_tree_unavailable_reason
 
 OBS, ACT = 17, 6  # W1: obs f32[17], action f32[6], reward f32, done bool
 EP_LEN = 1_000  # steps per episode
@@ -667,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {BATCH}, alpha {ALPHA}, beta {BETA}, torch {torch.__version__}, "
         f"torchrl {torchrl.__version__}, 1 thread, medians of {sizes.repeats} interleaved runs"
     )
+    why_numpy = kernels_unavailable_reason()
+    print(f'the "torch" backend runs: {"numba" if why_numpy is None else f"numpy ({why_numpy})"}')
     print(format_table(rows))
     for note in NOTES:
         print(f"note: {note}")
@@ -702,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             "tensordict": tensordict.__version__,
             "replaybuf": replaybuf.__version__,
         },
+        "torch_backend_kernels": "numba" if kernels_unavailable_reason() is None else "numpy",
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "rows": rows,
