@@ -64,7 +64,8 @@ from torchrl.data import (
 
 import replaybuf
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.priority import kernels_unavailable_reason, segment_tree_unavailable_reason
+from replaybuf.compiled import kernels_unavailable_reason
+from replaybuf.priority import segment_tree_unavailable_reason
 
 OBS, ACT = 17, 6  # W1: obs f32[17], action f32[6], reward f32, done bool
 EP_LEN = 1_000  # steps per episode

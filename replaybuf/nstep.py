@@ -60,7 +60,7 @@ def discount_powers(gamma: float, n: int, device: torch.device) -> torch.Tensor:
 _POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
 
 
-def _host_powers(gamma: float, n: int) -> np.ndarray:
+def host_powers(gamma: float, n: int) -> np.ndarray:
     """:func:`discount_powers` on the CPU as a numpy view, cached (the host sampling path asks
     twice per batch: two cache hits instead of two ``numpy()`` wrappers)."""
     key = (float(gamma), int(n))
@@ -73,6 +73,14 @@ def _host_powers(gamma: float, n: int) -> np.ndarray:
 
 
 _HOST_POWERS: dict[tuple[float, int], np.ndarray] = {}
+
+
+def reward_powers(gamma: float, n: int, dtype: np.dtype) -> np.ndarray:
+    """γ^0..γ^(n-1) that weigh float32 / float64 host rewards: float64 powers for float64
+    rewards, else :func:`host_powers`' float32 ones."""
+    if dtype == np.float64:
+        return gamma ** np.arange(n, dtype=np.float64)
+    return host_powers(gamma, n)[:n]
 
 
 def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
@@ -92,10 +100,7 @@ def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
     n = rewards.shape[0]
     # Rows outside the window may hold anything (even NaN): select, never multiply by 0.
     if isinstance(rewards, np.ndarray):
-        if rewards.dtype == np.float64:
-            powers = gamma ** np.arange(n, dtype=np.float64)
-        else:
-            powers = _host_powers(gamma, n)[:n]
+        powers = reward_powers(gamma, n, rewards.dtype)
         return powers @ np.where(valid, rewards, rewards.dtype.type(0))
     dtype = return_dtype(rewards.dtype)
     if n == 1:  # one step: no weights, no sum (on CUDA each is a kernel launch)
@@ -119,6 +124,6 @@ def bootstrap_discount(m: Array, terminal: Array, gamma: float, n_max: int | Non
     """
     top = int(m.max()) if n_max is None and math.prod(m.shape) else (n_max or 0)
     if isinstance(m, np.ndarray):
-        return _host_powers(gamma, top)[m] * ~terminal
+        return host_powers(gamma, top)[m] * ~terminal
     powers = discount_powers(gamma, top, m.device)
     return powers.index_select(0, m.reshape(-1)).reshape(m.shape) * ~terminal

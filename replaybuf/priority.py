@@ -61,11 +61,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.compiled import compiled_kernels
+
 BACKEND_TORCH = "torch"
 BACKEND_SEGMENT_TREE = "torchrl-segment-tree"
 BACKENDS = ("auto", BACKEND_TORCH, BACKEND_SEGMENT_TREE)
 BACKEND_ENV = "REPLAYBUF_PRIORITY_BACKEND"  # overrides backend="auto" (CI runs the fallback)
-NUMBA_ENV = "REPLAYBUF_NUMBA"  # "0": the CPU torch index runs numpy, not replaybuf.kernels
 FLOAT32_MAX = torch.finfo(torch.float32).max  # TorchRL's min-tree identity (padding leaves)
 FLAT_DEVICES = ("cuda",)  # where the torch backend keeps flat cumulative sums, not blocks
 _UNITS = 2.0**62  # integer units the flat sums divide the total into
@@ -190,32 +191,6 @@ def _segment_trees() -> tuple[Any, Any] | str:
             f"torchrl._torchrl does not load with torch {torch.__version__} "
             f"({type(exc).__name__}: {exc}); it only loads with the torch TorchRL was built for"
         )
-
-
-@functools.cache
-def _load_kernels() -> ModuleType | str:
-    """:mod:`replaybuf.kernels` (compiled at import), or why it does not load."""
-    try:
-        return importlib.import_module("replaybuf.kernels")
-    except Exception as error:  # ImportError without numba; numba's own errors otherwise
-        return f"replaybuf.kernels does not load ({type(error).__name__}: {error})"
-
-
-def compiled_kernels() -> ModuleType | None:
-    """The numba kernels for the CPU torch index, or None: numba is missing, they fail to
-    compile, or ``REPLAYBUF_NUMBA=0`` (read whenever an index is built) turns them off."""
-    if os.environ.get(NUMBA_ENV, "1") == "0":
-        return None
-    kernels = _load_kernels()
-    return None if isinstance(kernels, str) else kernels
-
-
-def kernels_unavailable_reason() -> str | None:
-    """Why the CPU torch index runs numpy instead of the numba kernels, or None when it can."""
-    if os.environ.get(NUMBA_ENV, "1") == "0":
-        return f"{NUMBA_ENV}=0"
-    kernels = _load_kernels()
-    return kernels if isinstance(kernels, str) else None
 
 
 def segment_tree_unavailable_reason() -> str | None:

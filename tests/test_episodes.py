@@ -31,6 +31,7 @@ from replaybuf import (
     SchemaError,
     SyncEpisodeReplayBuffer,
 )
+from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
 
 
 @pytest.fixture
@@ -306,7 +307,15 @@ def test_grad_requiring_expanded_and_strided_inputs_are_stored_detached(make):
     assert not batch["reward"].requires_grad
 
 
-@pytest.mark.parametrize("torch_index", [False, True], ids=["numpy-index", "torch-index"])
+NO_KERNELS = kernels_unavailable_reason()
+INDEX_PATHS = [
+    pytest.param("numba", marks=pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")),
+    "numpy",
+    "torch",
+]
+
+
+@pytest.mark.parametrize("index_path", INDEX_PATHS)
 @pytest.mark.parametrize(
     ("reward", "dtype"),
     [
@@ -317,9 +326,10 @@ def test_grad_requiring_expanded_and_strided_inputs_are_stored_detached(make):
     ],
     ids=["int", "float64", "float16", "vector"],
 )
-def test_discounted_returns_of_every_reward_dtype(make, reward, dtype, torch_index):
+def test_discounted_returns_of_every_reward_dtype(make, reward, dtype, index_path, monkeypatch):
     buf = make(8)
-    if torch_index:  # the index math CUDA storage runs (torch), here on the CPU
+    monkeypatch.setenv(NUMBA_ENV, "0" if index_path == "numpy" else "1")
+    if index_path == "torch":  # the index math CUDA storage runs (torch), here on the CPU
         buf._core.links.host = None
     e = buf.start_episode()
     for t in range(3):
@@ -654,3 +664,32 @@ def test_a_wide_append_batch_stores_exactly_what_per_step_appends_store(make, en
         for name in ("next_row", "succ", "episode", "step", "end_kind", "alloc"):
             assert torch.equal(getattr(a.links, name), getattr(b.links, name)), name
         assert list(a.free) == list(b.free)
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@pytest.mark.parametrize("n", [1, 3, (1, 4)], ids=["n1", "n3", "random-n"])
+@pytest.mark.parametrize("frame_stack", [None, 2])
+def test_compiled_and_numpy_index_give_the_same_n_step_batches(
+    make_episode_buffer, monkeypatch, n, frame_stack
+):
+    """Two buffers fed alike and seeded alike, one sampling through replaybuf.kernels and one
+    through numpy: the same batches (rewards equal to 1e-6: the sums' order may differ)."""
+    bufs = [make_episode_buffer(60, seed=3, frame_stack=frame_stack) for _ in range(2)]
+    for buf in bufs:
+        for e in range(9):  # ends of every kind, and episodes still running
+            ep = buf.start_episode()
+            for t in range(3 + e % 4):
+                buf.append_observation_action_reward(ep, *step(ep, t))
+            if e % 3:
+                buf.end_episode(ep, "terminated" if e % 3 == 1 else "truncated", final_obs(ep, 9))
+    batches = []
+    for buf, flag in zip(bufs, ("1", "0"), strict=True):
+        monkeypatch.setenv(NUMBA_ENV, flag)
+        batches.append([buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)])
+    for got, want in zip(*batches, strict=True):
+        assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
+        for key in want.keys(include_nested=True, leaves_only=True):
+            if key == "reward":
+                torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got[key], want[key]), key

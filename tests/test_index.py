@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replaybuf.compiled import kernels_unavailable_reason
 from replaybuf.index import (
     END_NONE,
     END_TERMINATED,
@@ -28,6 +29,7 @@ from replaybuf.index import (
     sequence_rows,
     sequence_rows_by_jumps,
 )
+from replaybuf.nstep import bootstrap_discount, host_powers, reward_powers, window_return
 
 
 def link(episodes: list[tuple[list[int], int]], rows: int):
@@ -314,3 +316,58 @@ def test_jump_tables_extend_what_is_known_and_levels_cover_the_walk():
     assert len(known) == 2
     assert jump_tables(succ, 3, known)[2].tolist() == [3, 3, 3, 3]
     assert [jump_levels(n) for n in (1, 2, 3, 4, 16, 80)] == [1, 2, 2, 3, 5, 7]
+
+
+NO_KERNELS = kernels_unavailable_reason()
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data):
+    """replaybuf.kernels.nstep_windows (one call for the whole batch) against the loop oracle
+    and against the numpy path's values (window_return, bootstrap_discount)."""
+    from replaybuf import kernels
+
+    episodes, rows = layout
+    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
+    if not starts:
+        return
+    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
+    n_max = data.draw(st.integers(1, 6))
+    per_sample = data.draw(st.booleans())
+    ns = [n_max] * len(picks)
+    if per_sample:
+        ns = data.draw(st.lists(st.integers(1, n_max), min_size=len(picks), max_size=len(picks)))
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    gamma = data.draw(st.sampled_from([0.0, 0.5, 0.99, 1.0]))
+    reward = np.array(
+        data.draw(st.lists(st.floats(-1e3, 1e3), min_size=rows, max_size=rows)), dtype=dtype
+    )
+    next_row, end_kind = link(episodes, rows)
+    succ, end_kind = successors(next_row).numpy(), end_kind.numpy()
+    step, episode = np.arange(rows) * 3, np.arange(rows) + 100  # any per-row columns
+    start = np.array([episodes[e][0][t] for e, t in picks], dtype=np.int64)
+    each = np.array(ns, dtype=np.int64) if per_sample else np.empty(0, np.int64)
+    got = kernels.nstep_windows(
+        start, each, n_max, succ, end_kind, step, episode, reward,
+        reward_powers(gamma, n_max, reward.dtype), host_powers(gamma, n_max),
+    )  # fmt: skip
+    ends, total, terminal, truncated, cut, discount, m, first_step, first_episode = got
+    assert total.dtype == dtype
+    assert discount.dtype == np.float32
+    w = nstep_windows(start, each if per_sample else n_max, n_max, succ, end_kind)
+    assert np.array_equal(ends, np.concatenate([start, w.last_row]))
+    for name, value in [("m", m), ("terminal", terminal), ("truncated", truncated), ("cut", cut)]:
+        assert np.array_equal(value, getattr(w, name)), name
+    assert np.array_equal(discount, bootstrap_discount(w.m, w.terminal, gamma, n_max))
+    expected = window_return(reward[w.rows[:n_max]], w.valid, gamma)
+    np.testing.assert_allclose(total, expected, rtol=1e-6, atol=1e-3 if dtype == np.float32 else 0)
+    for i, (e, t) in enumerate(picks):  # the slow obvious sum, float64
+        ep_rows, kind = episodes[e]
+        want = oracle_window(ep_rows, kind, t, ns[i], n_max)
+        assert (int(m[i]), int(ends[len(picks) + i])) == (want["m"], want["last_row"])
+        slow = sum(gamma**k * float(reward[ep_rows[t + k]]) for k in range(want["m"]))
+        assert float(total[i]) == pytest.approx(slow, rel=1e-5, abs=1e-3)
+    assert np.array_equal(first_step, step[start])
+    assert np.array_equal(first_episode, episode[start])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer, priority
+from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer, compiled
 from replaybuf.priority import make_priority_index
 
 
@@ -348,7 +348,7 @@ def test_without_torchrls_extension_both_buffers_still_prioritize(
 
 
 @pytest.mark.skipif(
-    priority.kernels_unavailable_reason() is not None, reason="replaybuf.kernels does not load"
+    compiled.kernels_unavailable_reason() is not None, reason="replaybuf.kernels does not load"
 )
 def test_compiled_and_numpy_draws_give_the_same_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -358,7 +358,7 @@ def test_compiled_and_numpy_draws_give_the_same_batches(
     which ran."""
     rings = {}
     for kernels in ("numba", "numpy"):
-        monkeypatch.setenv(priority.NUMBA_ENV, "0" if kernels == "numpy" else "1")
+        monkeypatch.setenv(compiled.NUMBA_ENV, "0" if kernels == "numpy" else "1")
         (tmp_path / kernels).mkdir()
         rings[kernels] = ring(tmp_path / kernels, "torch", capacity=300, beta=0.6)
         assert rings[kernels].stats()["priority_kernels"] == kernels

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from replaybuf import priority
+from replaybuf import compiled, priority
 from replaybuf.per import compute_importance_weights, sequence_priority
 from replaybuf.priority import (
     BACKEND_ENV,
@@ -31,7 +31,7 @@ from replaybuf.priority import (
 
 MISSING = segment_tree_unavailable_reason()
 needs_segment_tree = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING}")
-NO_KERNELS = priority.kernels_unavailable_reason()
+NO_KERNELS = compiled.kernels_unavailable_reason()
 needs_kernels = pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 BACKENDS = [
     "torch",
@@ -45,9 +45,9 @@ CUDA = torch.cuda.is_available()
 def cpu_kernels(request, monkeypatch):
     """Every test twice: the CPU torch index with replaybuf.kernels (numba) and without."""
     if request.param == "numpy":
-        monkeypatch.setenv(priority.NUMBA_ENV, "0")
+        monkeypatch.setenv(compiled.NUMBA_ENV, "0")
     else:
-        monkeypatch.delenv(priority.NUMBA_ENV, raising=False)
+        monkeypatch.delenv(compiled.NUMBA_ENV, raising=False)
     return request.param
 
 
@@ -378,15 +378,15 @@ def test_auto_on_cpu_takes_the_kernels_then_the_segment_tree_then_torch(monkeypa
 def test_the_kernel_loader_reports_failures_instead_of_raising(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # numba not installed
     monkeypatch.delitem(sys.modules, "replaybuf.kernels", raising=False)
-    reason = priority._load_kernels.__wrapped__()
+    reason = compiled._load_kernels.__wrapped__()
     assert isinstance(reason, str)
     assert "replaybuf.kernels does not load (ModuleNotFoundError: " in reason
-    monkeypatch.setattr(priority, "_load_kernels", lambda: reason)
-    monkeypatch.delenv(priority.NUMBA_ENV, raising=False)
-    assert priority.kernels_unavailable_reason() == reason
+    monkeypatch.setattr(compiled, "_load_kernels", lambda: reason)
+    monkeypatch.delenv(compiled.NUMBA_ENV, raising=False)
+    assert compiled.kernels_unavailable_reason() == reason
     assert make_priority_index(4, "cpu", "torch").kernels == "numpy"
-    monkeypatch.setenv(priority.NUMBA_ENV, "0")
-    assert priority.kernels_unavailable_reason() == f"{priority.NUMBA_ENV}=0"
+    monkeypatch.setenv(compiled.NUMBA_ENV, "0")
+    assert compiled.kernels_unavailable_reason() == f"{compiled.NUMBA_ENV}=0"
 
 
 def test_env_var_overrides_auto_only(monkeypatch):
@@ -782,20 +782,20 @@ def test_compiled_locate_equals_numpy_bit_for_bit(runs, seed):
 def test_compiled_writes_leave_the_numpy_paths_state_bit_for_bit(calls):
     """The same ``set`` calls through the kernels and through numpy/torch: equal tensors."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(priority.NUMBA_ENV, raising=False)
-        compiled = make_priority_index(4000, "cpu", "torch")
-        patch.setenv(priority.NUMBA_ENV, "0")
+        patch.delenv(compiled.NUMBA_ENV, raising=False)
+        fast = make_priority_index(4000, "cpu", "torch")
+        patch.setenv(compiled.NUMBA_ENV, "0")
         plain = make_priority_index(4000, "cpu", "torch")
-    assert (compiled.kernels, plain.kernels) == ("numba", "numpy")
+    assert (fast.kernels, plain.kernels) == ("numba", "numpy")
     for call in calls:
         items = torch.tensor([item for item, _ in call], dtype=torch.long)
         weights = torch.tensor([weight for _, weight in call], dtype=torch.float64)
-        compiled.set(items, weights)
+        fast.set(items, weights)
         plain.set(items, weights)
     for name in ("_leaves", "_running", "_blocks", "_starts", "_lowest", "_highest"):
-        assert torch.equal(getattr(compiled, name), getattr(plain, name)), name
-    assert compiled._stats == plain._stats
-    assert compiled.weights().tolist() == reference_after(4000, calls)
+        assert torch.equal(getattr(fast, name), getattr(plain, name)), name
+    assert fast._stats == plain._stats
+    assert fast.weights().tolist() == reference_after(4000, calls)
 
 
 @settings(max_examples=40, deadline=None)
