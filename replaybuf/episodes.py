@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.anchors import AnchorSet
+from replaybuf.compiled import compiled_kernels
 from replaybuf.errors import EpisodeStateError, InsufficientSpaceError, ReplayBufError, SchemaError
 from replaybuf.fastrow import RowPlan
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED, jump_tables
@@ -210,6 +211,8 @@ class EpisodeCore:
         device = slots.storing_device
         check_bookkeeping_space(capacity, device, frame_stack is not None)
         self.links = RowLinks(capacity, device, backward=frame_stack is not None)
+        if device.type == "cpu":  # load (or first compile) the n-step kernel now, not mid-run
+            compiled_kernels()
         self.anchors = AnchorSet(capacity, device)
         # The free rows, popped from the end (row 0 first); an int64 array, not a list of Python
         # ints (36 bytes a row: 360 MB at 10M rows).

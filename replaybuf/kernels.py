@@ -85,6 +85,9 @@ def write(
     width = leaves.shape[1]
     flat = leaves.reshape(-1)
     first = sums.shape[0]
+    for k in range(items.shape[0]):  # checked before anything is written (no bounds checks)
+        if not 0 <= items[k] < flat.shape[0]:
+            raise IndexError("priority index write: an item out of range")
     for k in range(items.shape[0]):
         flat[items[k]] = weights[k]
     for k in range(items.shape[0]):  # a block written twice is summarized twice, alike

@@ -454,16 +454,32 @@ class TorchPriorityIndex(_LeafIndex):
         self.compiled: ModuleType | None = None
         if device.type == "cpu":
             self._running = torch.zeros_like(self._leaves)
-            tensors = (self._leaves, self._running, self._blocks, self._lowest, self._highest)
-            self._host = tuple(t.numpy() for t in (*tensors, self._starts))
-            self.compiled = compiled_kernels()
-            self.kernels = "numpy" if self.compiled is None else "numba"
+            self._attach_host(compiled_kernels())
+
+    def _attach_host(self, compiled: ModuleType | None) -> None:
+        """The CPU's numpy views and kernels (rebuilt after unpickling: views do not survive a
+        copy, and a module cannot be pickled)."""
+        tensors = (self._leaves, self._running, self._blocks, self._lowest, self._highest)
+        self._host = tuple(t.numpy() for t in (*tensors, self._starts))
+        self.compiled = compiled
+        self.kernels = "numpy" if compiled is None else "numba"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_host=None, compiled=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._running is not None:  # the CPU: the same kernels as the original
+            self._attach_host(compiled_kernels() if self.kernels == "numba" else None)
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
         few = items.numel() * 4 < self._blocks.numel()  # else many blocks: redo them all
         if few and self.compiled is not None and self._host is not None:
             weights64 = np.ascontiguousarray(weights.numpy(), dtype=np.float64)
-            self.compiled.write(np.ascontiguousarray(items.numpy()), weights64, *self._host)
+            items64 = np.ascontiguousarray(items.numpy(), dtype=np.int64)
+            self.compiled.write(items64, weights64, *self._host)
             return
         items = self._store(items, weights)
         if not few:
@@ -527,7 +543,9 @@ class TorchPriorityIndex(_LeafIndex):
         # steps costs microseconds, more so after a batch's gathers have evicted the caches.
         self._check_draw(batch_size, generator)
         leaves, running, starts = self._host[0], self._host[1], self._host[5]
-        uniform = torch.rand(batch_size, generator=generator, dtype=torch.float64)
+        uniform = torch.rand(
+            batch_size, generator=generator, dtype=torch.float64, device=self.device
+        )
         items, relative = np.empty(batch_size, np.int64), np.empty(batch_size, np.float32)
         self.compiled.draw_relative(
             uniform.numpy(), starts, running, leaves, self._stats[1], power, items, relative
@@ -600,7 +618,8 @@ class SegmentTreePriorityIndex(PriorityIndex):
     """TorchRL's C++ trees (CPU): a float64 sum tree, float32 min trees for min and -max.
 
     The sum tree is TorchRL's ``SumSegmentTreeFp64`` rather than ``Fp32`` for the reason the
-    module docstring gives; its pairwise sums equal the torch backend's bit for bit.
+    module docstring gives; its pairwise sums equal the torch backend's sequential ones to
+    rounding, so the two backends draw alike but for masses within rounding of an item's edge.
     """
 
     backend = BACKEND_SEGMENT_TREE

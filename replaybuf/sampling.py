@@ -155,19 +155,26 @@ def _window_values(
     """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends) and
     its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``.
 
-    With CPU storage the index math runs in numpy on views of the same columns (see
-    :mod:`replaybuf.index`); CUDA storage runs it in torch, with no host synchronisation.
+    With CPU storage the index math runs in one :mod:`replaybuf.kernels` call where numba is
+    installed, else in numpy on views of the same columns (see :mod:`replaybuf.index`); CUDA
+    storage runs it in torch, with no host synchronisation.
     """
     links, host = core.links, core.links.host
     reward_column = core.slots.column(("reward",))
     compiled = compiled_kernels() if host is not None else None
-    if compiled is not None and reward_column.dim() == 1 and reward_column.dtype in _HOST_REWARD:
-        # One compiled call for the ~25 numpy ones below (see replaybuf.kernels).
+    if (
+        compiled is not None
+        and reward_column.dim() == 1
+        and reward_column.dtype in _HOST_REWARD
+        and reward_column.is_contiguous()
+    ):
+        # One compiled call for the ~25 numpy ones below (see replaybuf.kernels); the kernel
+        # takes contiguous int64 anchors and n (no copy when they already are).
         rewards = reward_column.numpy()
         each = np.empty(0, np.int64) if isinstance(n_each, int) else n_each.numpy()
         ends, *values = compiled.nstep_windows(
-            start.numpy(),
-            each,
+            np.ascontiguousarray(start.numpy(), dtype=np.int64),
+            np.ascontiguousarray(each, dtype=np.int64),
             n_max,
             host.succ,
             host.end_kind,

@@ -682,10 +682,16 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
                 buf.append_observation_action_reward(ep, *step(ep, t))
             if e % 3:
                 buf.end_episode(ep, "terminated" if e % 3 == 1 else "truncated", final_obs(ep, 9))
+    from replaybuf import kernels
+
+    calls = []
+    windows = kernels.nstep_windows
+    monkeypatch.setattr(kernels, "nstep_windows", lambda *a: calls.append(1) or windows(*a))
     batches = []
     for buf, flag in zip(bufs, ("1", "0"), strict=True):
         monkeypatch.setenv(NUMBA_ENV, flag)
         batches.append([buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)])
+    assert len(calls) == 3  # the first buffer's batches, not the second's, ran the kernel
     for got, want in zip(*batches, strict=True):
         assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
         for key in want.keys(include_nested=True, leaves_only=True):

@@ -72,9 +72,11 @@ def test_dqn_cartpole_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_dqn_cartpole_prioritized_smoke(tmp_path: Path, monkeypatch, backend: str) -> None:
-    # "auto" takes TorchRL's segment trees where its extension loads; "torch" forces the
-    # pure-torch priority index (the fallback), through the environment variable.
+    # "auto" takes the numba kernels where they load, else TorchRL's segment trees where its
+    # extension loads; "torch" with REPLAYBUF_NUMBA=0 forces the numpy priority index (the
+    # fallback), through the environment variables.
     monkeypatch.setenv("REPLAYBUF_PRIORITY_BACKEND", backend)
+    monkeypatch.setenv("REPLAYBUF_NUMBA", "1" if backend == "auto" else "0")
     out = run_example(
         tmp_path,
         "dqn_cartpole.py",

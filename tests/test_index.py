@@ -362,7 +362,10 @@ def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data
         assert np.array_equal(value, getattr(w, name)), name
     assert np.array_equal(discount, bootstrap_discount(w.m, w.terminal, gamma, n_max))
     expected = window_return(reward[w.rows[:n_max]], w.valid, gamma)
-    np.testing.assert_allclose(total, expected, rtol=1e-6, atol=1e-3 if dtype == np.float32 else 0)
+    # Cancelling rewards leave ~1e-13 of rounding around 0 in float64, ~1e-4 in float32.
+    np.testing.assert_allclose(
+        total, expected, rtol=1e-6, atol=1e-3 if dtype == np.float32 else 1e-9
+    )
     for i, (e, t) in enumerate(picks):  # the slow obvious sum, float64
         ep_rows, kind = episodes[e]
         want = oracle_window(ep_rows, kind, t, ns[i], n_max)
@@ -371,3 +374,17 @@ def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data
         assert float(total[i]) == pytest.approx(slow, rel=1e-5, abs=1e-3)
     assert np.array_equal(first_step, step[start])
     assert np.array_equal(first_episode, episode[start])
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_compiled_nstep_windows_of_no_anchors():
+    from replaybuf import kernels
+
+    succ, end_kind = np.arange(4), np.zeros(4, np.int8)
+    each = np.empty(0, np.int64)
+    reward = np.zeros(4, np.float32)
+    got = kernels.nstep_windows(
+        np.empty(0, np.int64), each, 3, succ, end_kind, np.arange(4), np.arange(4), reward,
+        reward_powers(0.9, 3, reward.dtype), host_powers(0.9, 3),
+    )  # fmt: skip
+    assert [v.shape for v in got] == [(0,)] * 9

@@ -162,8 +162,9 @@ def test_update_priorities_on_a_uniform_buffer_says_so(tmp_path: Path) -> None:
             plain.update_priorities([0], [1.0])
 
 
-def test_ring_priorities_survive_a_checkpoint_exactly(tmp_path: Path) -> None:
-    with ring(tmp_path, "torch", capacity=6) as buf:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_priorities_survive_a_checkpoint_exactly(tmp_path: Path, backend: str) -> None:
+    with ring(tmp_path, backend, capacity=6) as buf:
         add(buf, 0, 9)
         batch = buf.sample_batch(6)
         buf.update_priorities(batch["index"], torch.arange(6, dtype=torch.float32))
@@ -333,6 +334,7 @@ def test_without_torchrls_extension_both_buffers_still_prioritize(
     from replaybuf import priority
 
     monkeypatch.delenv(priority.BACKEND_ENV, raising=False)
+    monkeypatch.setenv(compiled.NUMBA_ENV, "0")  # else "auto" takes the kernels first
     monkeypatch.setattr(priority, "_segment_trees", lambda: "torchrl._torchrl does not load")
     with ring(tmp_path, "auto") as buf:
         add(buf, 0, 4)
@@ -360,17 +362,20 @@ def test_compiled_and_numpy_draws_give_the_same_batches(
     for kernels in ("numba", "numpy"):
         monkeypatch.setenv(compiled.NUMBA_ENV, "0" if kernels == "numpy" else "1")
         (tmp_path / kernels).mkdir()
-        rings[kernels] = ring(tmp_path / kernels, "torch", capacity=300, beta=0.6)
+        rings[kernels] = ring(tmp_path / kernels, "torch", capacity=4000, beta=0.6)
         assert rings[kernels].stats()["priority_kernels"] == kernels
     for buf in rings.values():
-        add(buf, 0, 500)  # 200 overwritten
-        ids = torch.arange(200, 500)
-        buf.update_priorities(ids, (ids % 17).double() ** 2)
-    for _ in range(3):
+        add(buf, 0, 5000)  # 1,000 overwritten
+        ids = torch.arange(1000, 5000)
+        buf.update_priorities(ids, (ids % 17).double() ** 2)  # many items: every block redone
+    for round_ in range(4):
         got, expected = (rings[k].sample_batch(64) for k in ("numba", "numpy"))
         assert torch.equal(got["x"], expected["x"])
         assert torch.equal(got["index"], expected["index"])
         torch.testing.assert_close(got["weight"], expected["weight"], rtol=1e-6, atol=0)
+        for buf in rings.values():  # 64 of 4,000 items: the kernels' small write
+            assert buf.update_priorities(got["index"], got["x"] % 5 + round_) == 64
+    assert rings["numba"]._priorities.tree.total() == rings["numpy"]._priorities.tree.total()
     for buf in rings.values():
         buf.close()
     with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as plain:

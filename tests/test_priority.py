@@ -8,8 +8,10 @@ chi-square tests of the sampling distribution with fixed seeds.
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 import types
+from copy import deepcopy
 
 import numpy as np
 import pytest
@@ -815,3 +817,32 @@ def test_sample_relative_draws_as_sample_and_powers_the_weights(weights, seed, p
     stored = np.array(weights, dtype=np.float32).astype(np.float64)
     expected = (stored[items.numpy()] / stored[stored > 0].min()) ** power
     np.testing.assert_allclose(relative.numpy(), expected.astype(np.float32), rtol=1e-6)
+
+
+def test_sample_relative_of_nothing_and_a_pickled_index_draw_alike(cpu_kernels):
+    index = index_with("torch", UNEVEN)
+    items, relative = index.sample_relative(0, torch.Generator().manual_seed(0), -0.4)
+    assert (items.shape, relative.shape, relative.dtype) == ((0,), (0,), torch.float32)
+    for copy in (pickle.loads(pickle.dumps(index)), deepcopy(index)):
+        assert copy.kernels == index.kernels == cpu_kernels
+        copy.set(torch.tensor([1]), torch.tensor([0.0]))  # the copy's own tensors, not index's
+        assert index.get(torch.tensor([1])).item() == 1000.0
+        assert copy.total() == index.total() - 1000.0
+        assert draw(copy, 500, 3).tolist().count(1) == 0
+        index_draws, copy_draws = draw(index, 64, 5), draw(copy, 64, 5)
+        assert (index_draws == 1).any()
+        assert not (copy_draws == 1).any()
+
+
+@pytest.mark.parametrize("items", [[3, 5000], [-1, 3]], ids=["past-the-end", "negative"])
+def test_the_write_kernel_refuses_items_out_of_range_before_writing(items, cpu_kernels):
+    # set_in_range's contract is items in range (it skips set's checks). Out of the storage,
+    # the numba kernel (no bounds checks inside) still raises before writing anything; the
+    # numpy path raises from index_copy_.
+    index = make_priority_index(4000, "cpu", "torch")  # 125 blocks: 2 items take the kernel
+    index.set(torch.arange(4000), torch.ones(4000))
+    before = index.weights().clone()
+    with pytest.raises((IndexError, RuntimeError)):
+        index.set_in_range(torch.tensor(items), torch.tensor([5.0, 6.0]))
+    if cpu_kernels == "numba":
+        assert torch.equal(index.weights(), before)
