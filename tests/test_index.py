@@ -235,20 +235,29 @@ def layouts(draw):
     return episodes, total + spare
 
 
+def window_case(episodes, data):
+    """Anchors (episode, step) to sample, n_max, whether n is per sample, and each one's n;
+    None when no episode has a step."""
+    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
+    if not starts:
+        return None
+    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
+    n_max = data.draw(st.integers(1, 6))
+    per_sample = data.draw(st.booleans())
+    ns = [n_max] * len(picks)
+    if per_sample:
+        ns = data.draw(st.lists(st.integers(1, n_max), min_size=len(picks), max_size=len(picks)))
+    return picks, n_max, per_sample, ns
+
+
 @settings(max_examples=150, deadline=None)
 @given(layout=layouts(), data=st.data())
 def test_nstep_windows_match_the_loop_oracle(layout, data):
     episodes, rows = layout
-    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
-    if not starts:
+    case = window_case(episodes, data)
+    if case is None:
         return
-    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
-    n_max = data.draw(st.integers(1, 6))
-    per_sample = data.draw(st.booleans())
-    if per_sample:
-        ns = data.draw(st.lists(st.integers(1, n_max), min_size=len(picks), max_size=len(picks)))
-    else:
-        ns = [n_max] * len(picks)
+    picks, n_max, per_sample, ns = case
     start = [episodes[e][0][t] for e, t in picks]
     backend = data.draw(st.sampled_from(BACKENDS))
     w = windows(episodes, rows, start, ns if per_sample else n_max, n_max, backend)
@@ -330,15 +339,10 @@ def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data
     from replaybuf import kernels
 
     episodes, rows = layout
-    starts = [(e, t) for e, (r, _) in enumerate(episodes) for t in range(len(r) - 1)]
-    if not starts:
+    case = window_case(episodes, data)
+    if case is None:
         return
-    picks = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=8))
-    n_max = data.draw(st.integers(1, 6))
-    per_sample = data.draw(st.booleans())
-    ns = [n_max] * len(picks)
-    if per_sample:
-        ns = data.draw(st.lists(st.integers(1, n_max), min_size=len(picks), max_size=len(picks)))
+    picks, n_max, per_sample, ns = case
     dtype = data.draw(st.sampled_from([np.float32, np.float64]))
     gamma = data.draw(st.sampled_from([0.0, 0.5, 0.99, 1.0]))
     reward = np.array(

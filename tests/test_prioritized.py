@@ -350,7 +350,8 @@ def test_without_torchrls_extension_both_buffers_still_prioritize(
 
 
 @pytest.mark.skipif(
-    compiled.kernels_unavailable_reason() is not None, reason="replaybuf.kernels does not load"
+    compiled.kernels_unavailable_reason() is not None,
+    reason=f"{compiled.kernels_unavailable_reason()}",
 )
 def test_compiled_and_numpy_draws_give_the_same_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

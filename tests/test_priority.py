@@ -597,13 +597,15 @@ def test_last_write_wins_host_keeps_each_items_last_value():
     assert last.tolist() == [4.0, 5.0, 3.0]
 
 
+def calls_on_4000_items(per_call: int):
+    """Up to 8 ``set`` calls of 1..per_call (item, weight) entries over 4,000 items."""
+    entry = st.tuples(st.integers(0, 3999), WEIGHTS)
+    return st.lists(st.lists(entry, min_size=1, max_size=per_call), min_size=1, max_size=8)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    calls=st.lists(
-        st.lists(st.tuples(st.integers(0, 3999), WEIGHTS), min_size=1, max_size=24),
-        min_size=1,
-        max_size=8,
-    ),
+    calls=calls_on_4000_items(24),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_small_writes_keep_every_block_summary_of_a_large_index(calls, seed):
@@ -774,13 +776,7 @@ def test_compiled_locate_equals_numpy_bit_for_bit(runs, seed):
 
 @needs_kernels
 @settings(max_examples=40, deadline=None)
-@given(
-    calls=st.lists(
-        st.lists(st.tuples(st.integers(0, 3999), WEIGHTS), min_size=1, max_size=40),
-        min_size=1,
-        max_size=8,
-    ),
-)
+@given(calls=calls_on_4000_items(40))
 def test_compiled_writes_leave_the_numpy_paths_state_bit_for_bit(calls):
     """The same ``set`` calls through the kernels and through numpy/torch: equal tensors."""
     with pytest.MonkeyPatch.context() as patch:
