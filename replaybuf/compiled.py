@@ -29,7 +29,7 @@ def _load_kernels() -> ModuleType | str:
 
 def compiled_kernels() -> ModuleType | None:
     """The kernels module, or None: numba is missing, they fail to compile, or
-    ``REPLAYBUF_NUMBA=0`` (read at each call: callers ask once, when they are built)."""
+    ``REPLAYBUF_NUMBA=0`` (read at each call; callers ask once, when they are built)."""
     if os.environ.get(NUMBA_ENV, "1") == "0":
         return None
     kernels = _load_kernels()

@@ -211,8 +211,9 @@ class EpisodeCore:
         device = slots.storing_device
         check_bookkeeping_space(capacity, device, frame_stack is not None)
         self.links = RowLinks(capacity, device, backward=frame_stack is not None)
-        if device.type == "cpu":  # load (or first compile) the n-step kernel now, not mid-run
-            compiled_kernels()
+        # replaybuf.kernels for the n-step index math on CPU storage (None: numpy), chosen and
+        # loaded (on a fresh install: compiled) here, not at the first sample.
+        self.kernels = compiled_kernels() if device.type == "cpu" else None
         self.anchors = AnchorSet(capacity, device)
         # The free rows, popped from the end (row 0 first); an int64 array, not a list of Python
         # ints (36 bytes a row: 360 MB at 10M rows).

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from replaybuf.compiled import compiled_kernels
 from replaybuf.episodes import Episode, EpisodeCore
 from replaybuf.errors import EmptyBufferError
 from replaybuf.index import (
@@ -161,7 +160,7 @@ def _window_values(
     """
     links, host = core.links, core.links.host
     reward_column = core.slots.column(("reward",))
-    compiled = compiled_kernels() if host is not None else None
+    compiled = core.kernels if host is not None else None
     if (
         compiled is not None
         and reward_column.dim() == 1

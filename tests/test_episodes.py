@@ -327,8 +327,8 @@ INDEX_PATHS = [
     ids=["int", "float64", "float16", "vector"],
 )
 def test_discounted_returns_of_every_reward_dtype(make, reward, dtype, index_path, monkeypatch):
+    monkeypatch.setenv(NUMBA_ENV, "0" if index_path == "numpy" else "1")  # read when built
     buf = make(8)
-    monkeypatch.setenv(NUMBA_ENV, "0" if index_path == "numpy" else "1")
     if index_path == "torch":  # the index math CUDA storage runs (torch), here on the CPU
         buf._core.links.host = None
     e = buf.start_episode()
@@ -674,7 +674,10 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
 ):
     """Two buffers fed alike and seeded alike, one sampling through replaybuf.kernels and one
     through numpy: the same batches (rewards equal to 1e-6: the sums' order may differ)."""
-    bufs = [make_episode_buffer(60, seed=3, frame_stack=frame_stack) for _ in range(2)]
+    bufs = []
+    for flag in ("1", "0"):  # the kernels are chosen when a buffer is built
+        monkeypatch.setenv(NUMBA_ENV, flag)
+        bufs.append(make_episode_buffer(60, seed=3, frame_stack=frame_stack))
     for buf in bufs:
         for e in range(9):  # ends of every kind, and episodes still running
             ep = buf.start_episode()
@@ -687,10 +690,7 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
     calls = []
     windows = kernels.nstep_windows
     monkeypatch.setattr(kernels, "nstep_windows", lambda *a: calls.append(1) or windows(*a))
-    batches = []
-    for buf, flag in zip(bufs, ("1", "0"), strict=True):
-        monkeypatch.setenv(NUMBA_ENV, flag)
-        batches.append([buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)])
+    batches = [[buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)] for buf in bufs]
     assert len(calls) == 3  # the first buffer's batches, not the second's, ran the kernel
     for got, want in zip(*batches, strict=True):
         assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
