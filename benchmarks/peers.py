@@ -1027,13 +1027,20 @@ def floor_writer(pool: StepPool, capacity: int) -> Callable[[], None]:
     return write
 
 
+def step_inputs(pool: StepPool, numpy: bool) -> tuple[list[Any], list[Any]]:
+    """The pool's observations and actions as torch tensors, or as numpy arrays (what a
+    gymnasium environment returns, and what SB3's ``add`` is given)."""
+    return (pool.obs_np, pool.action_np) if numpy else (pool.obs, pool.action)
+
+
 def episode_writer(
-    buf: SyncEpisodeReplayBuffer, pool: StepPool, envs: int, length: int
+    buf: SyncEpisodeReplayBuffer, pool: StepPool, envs: int, length: int, numpy: bool = False
 ) -> Callable[[], None]:
     """One sync call per step (``envs`` = 1: append_observation_action_reward, else
     append_batch of ``envs`` episodes); every episode ends after ``length`` steps."""
     turn = Turn(pool.size)
     state: dict[str, Any] = {"ids": [buf.start_episode() for _ in range(envs)], "t": 0}
+    obs, action = step_inputs(pool, numpy)
 
     def next_episodes(i: int) -> None:
         final = pool.obs[(i + 1) % pool.size]
@@ -1045,9 +1052,7 @@ def episode_writer(
 
         def write() -> None:
             i = turn()
-            buf.append_observation_action_reward(
-                state["ids"][0], pool.obs[i], pool.action[i], pool.reward[i]
-            )
+            buf.append_observation_action_reward(state["ids"][0], obs[i], action[i], pool.reward[i])
             state["t"] += 1
             if state["t"] == length:
                 next_episodes(i)
@@ -1065,11 +1070,12 @@ def episode_writer(
 
 
 def async_episode_writer(
-    buf: EpisodeReplayBuffer, pool: StepPool, envs: int, length: int
+    buf: EpisodeReplayBuffer, pool: StepPool, envs: int, length: int, numpy: bool = False
 ) -> Callable[[], Any]:
     """As :func:`episode_writer`, through the asyncio facade (each call awaited)."""
     turn = Turn(pool.size)
     state: dict[str, Any] = {"ids": None, "t": 0}
+    obs, action = step_inputs(pool, numpy)
 
     async def write() -> None:
         if state["ids"] is None:
@@ -1077,7 +1083,7 @@ def async_episode_writer(
         i = turn()
         if envs == 1:
             await buf.append_observation_action_reward(
-                state["ids"][0], pool.obs[i], pool.action[i], pool.reward[i]
+                state["ids"][0], obs[i], action[i], pool.reward[i]
             )
         else:
             await buf.append_batch(state["ids"], pool.obs[i], pool.action[i], pool.reward[i])
@@ -1097,19 +1103,20 @@ def has_nowait(buf: EpisodeReplayBuffer) -> bool:
 
 
 def nowait_episode_writer(
-    buf: EpisodeReplayBuffer, pool: StepPool, envs: int, length: int
+    buf: EpisodeReplayBuffer, pool: StepPool, envs: int, length: int, numpy: bool = False
 ) -> Callable[[], None]:
     """As :func:`episode_writer`, through the async facade's ``*_nowait`` appends (plain calls
     in the caller's task); episodes start and end through the facade's sync core."""
     core = buf._sync  # the facade's own core (start/end are not what is timed)
     turn = Turn(pool.size)
     state: dict[str, Any] = {"ids": [core.start_episode() for _ in range(envs)], "t": 0}
+    obs, action = step_inputs(pool, numpy)
 
     def write() -> None:
         i = turn()
         if envs == 1:
             buf.append_observation_action_reward_nowait(
-                state["ids"][0], pool.obs[i], pool.action[i], pool.reward[i]
+                state["ids"][0], obs[i], action[i], pool.reward[i]
             )
         else:
             buf.append_batch_nowait(state["ids"], pool.obs[i], pool.action[i], pool.reward[i])

@@ -3,12 +3,14 @@
 Each coroutine first yields once to the event loop (a cancellation point), then runs its
 synchronous core call to completion under one lock, with no ``await`` inside. So under
 cancellation an operation either completes or never started, and concurrent tasks (collectors,
-learners, stats readers) never observe a half-applied write.
+learners, stats readers) never observe a half-applied write. The per-step writes (start,
+append, end) yield once every ``WRITE_BUDGET`` calls instead (a cooperative budget): a yield
+costs more than an append, and a call that does not yield runs at once and completes.
 
 The ``*_nowait`` appends (anyio's ``send_nowait`` shape) run the core call at once in the
-caller's task, without that yield, which costs more than the append itself. They are safe beside
-the coroutines because no task ever holds the lock across an ``await``. A collector loop that
-uses them must still await something (its environment, a sleep) to let other tasks run.
+caller's task, never yielding. They are safe beside the coroutines because no task ever holds
+the lock across an ``await``. A collector loop that uses them must still await something (its
+environment, a sleep) to let other tasks run.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _RETRY: Any = object()  # a call refused by RowsPinned, to run again
+# Per-step writes between two yields to the event loop (see EpisodeReplayBuffer._write).
+WRITE_BUDGET = 16
 
 
 class EpisodeReplayBuffer:
@@ -86,6 +90,7 @@ class EpisodeReplayBuffer:
         self._sync = sync
         self._lock = asyncio.Lock()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._budget = WRITE_BUDGET  # per-step writes left before the next yield
         self._saving = asyncio.Lock()  # one checkpoint at a time
         self._idle = asyncio.Event()  # set while no checkpoint copies rows
         self._idle.set()
@@ -131,6 +136,28 @@ class EpisodeReplayBuffer:
                 return result
             await self._idle.wait()  # every free row is pinned: retry once the checkpoint ends
 
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`_call` for the per-step writes (start, append, end), yielding to the event
+        loop once every ``WRITE_BUDGET`` calls instead of every call.
+
+        A yield costs more than an append (a turn of the event loop), so a collector that
+        awaits one append per step spent most of its time there. Like a cooperative budget
+        (tokio's), other tasks still run at least every ``WRITE_BUDGET`` writes; a call that
+        does not yield runs at once, under no lock (none is ever held across an ``await``),
+        and completes: under cancellation it either completed or never started, as before.
+        """
+        self._budget -= 1
+        if self._budget > 0 and not self._lock.locked():
+            try:
+                result = fn(*args)  # synchronous and atomic, as under the lock
+            except RowsPinned:
+                pass  # refused before changing anything: wait in _call
+            else:
+                self._wake_waiters()
+                return result
+        self._budget = WRITE_BUDGET
+        return await self._call(fn, *args)
+
     def _wake_waiters(self) -> None:
         if not self._waiters:
             return
@@ -147,7 +174,7 @@ class EpisodeReplayBuffer:
 
     # ----------------------------------------------------------------- writes
     async def start_episode(self, agent_id: str = "default") -> int:
-        return await self._call(self._sync.start_episode, agent_id)
+        return await self._write(self._sync.start_episode, agent_id)
 
     async def append_observation_action_reward(
         self,
@@ -157,7 +184,7 @@ class EpisodeReplayBuffer:
         reward: Any,
         extras: dict[str, Any] | None = None,
     ) -> None:
-        await self._call(
+        await self._write(
             self._sync.append_observation_action_reward,
             episode_id,
             observation,
@@ -202,14 +229,14 @@ class EpisodeReplayBuffer:
         rewards: Any,
         extras: dict[str, Any] | None = None,
     ) -> None:
-        await self._call(
+        await self._write(
             self._sync.append_batch, episode_ids, observations, actions, rewards, extras
         )
 
     async def end_episode(
         self, episode_id: int, status: str = "terminated", final_observation: Any = None
     ) -> None:
-        await self._call(self._sync.end_episode, episode_id, status, final_observation)
+        await self._write(self._sync.end_episode, episode_id, status, final_observation)
 
     # ----------------------------------------------------------------- reads
     async def sample_n_step(

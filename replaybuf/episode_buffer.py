@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from replaybuf.dataset import ReplayDataset
 
 KIND = "EpisodeReplayBuffer"
+_APPEND_ONE = "append_observation_action_reward"  # what errors of the one-step append name
 
 
 def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
@@ -205,13 +206,14 @@ class SyncEpisodeReplayBuffer:
         extras: dict[str, Any] | None = None,
     ) -> None:
         """Record one step: the observation acted in, the action, the reward it earned."""
-        self._check_open()
-        episode = self._core.in_progress(episode_id, "append to")
-        if self._core.append_one(episode, observation, action, reward, extras):
+        if self._closed:
+            self._check_open()
+        core = self._core
+        episode = core.in_progress(episode_id, "append to")
+        if core.append_one(episode, observation, action, reward, extras):
             return
-        what = "append_observation_action_reward"
-        row = self._core.step_row(observation, action, reward, extras, False, what)
-        self._core.append([episode], row)
+        row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
+        core.append([episode], row)
 
     def append_batch(
         self,

@@ -468,16 +468,26 @@ class EpisodeCore:
         and :meth:`append`, which convert or raise).
         """
         plan, stager = self._plan, self._stager
-        values = None if plan is None else plan.values(observation, action, reward, extras)
-        if values is None or stager is None:
+        if plan is None or stager is None:
             return False
+        step = (observation, action, reward, extras)
         cap = self.max_episodes
         if self.steps >= self.max_steps or not self.free or (cap and len(self.episodes) > cap):
-            self.make_room(1, 1, 0, {episode.episode_id})  # returns at once when all fits
-        row = self._assign_row(episode)
-        if not stager.fits(1):
+            # Eviction flushes the staged rows: the step is checked in the spare row first.
+            if not plan.stage(stager.capacity, step):
+                return False
+            self.make_room(1, 1, 0, {episode.episode_id})  # may refuse: nothing changed then
+            if not stager.fits(1):
+                self._write_staged()
+            stager.stage_spare(self._assign_row(episode))
+            return True
+        if len(stager.rows) >= stager.capacity:
             self._write_staged()
-        stager.stage_one(row, values)
+        # The step goes straight into the next staging row, which only counts once its storage
+        # row is assigned below: a declined value leaves nothing.
+        if not plan.stage(len(stager.rows), step):
+            return False
+        stager.rows.append(self._assign_row(episode))
         return True
 
     def _assign_row(self, episode: Episode) -> int:
@@ -485,7 +495,8 @@ class EpisodeCore:
         row, rows = self.free.pop(), episode.rows
         self._staged_meta.extend((row, episode.episode_id, len(rows), END_NONE, self.allocations))
         if rows:
-            self._link(rows[-1], row)
+            self._staged_links.extend((rows[-1], row))  # as _link, inline: once per step
+            self.valid_steps += 1
         rows.append(row)
         self.allocations += 1
         self.steps += 1
@@ -554,7 +565,7 @@ class EpisodeCore:
     def _stage(self, rows: list[int], data: dict[Key, torch.Tensor]) -> None:
         if self._stager is None:
             self._stager = RowStager(self.slots.spec, _FLUSH_ROWS)
-            self._plan = RowPlan.of(self.slots.spec)
+            self._plan = RowPlan.of(self.slots.spec, self._stager.arrays)
         if not self._stager.fits(len(rows)):
             self._write_staged()
         if self._stager.fits(len(rows)):

@@ -4,8 +4,8 @@ A step whose every value already has its field's exact shape and dtype (CPU tens
 arrays, or Python numbers the field holds) is copied straight into the staging columns through
 numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
 ``copy_`` per field) costs tens of microseconds a step; numpy item assignment about one per
-field. Anything else gets ``None`` here and takes the general path, which converts what it can
-and raises the precise error; so this module never raises and never changes anything.
+field. Anything else is declined here and takes the general path, which converts what it can
+and raises the precise error; so this module never raises and never changes anything stored.
 """
 
 from __future__ import annotations
@@ -20,32 +20,32 @@ from replaybuf.schema import FieldSpec
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """numpy's dtype for ``dtype``, or None where numpy has none (bfloat16, ...)."""
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except (TypeError, RuntimeError):
-        return None
-
-
 class RowPlan:
-    """How a spec's fields are taken from one step's (observation, action, reward, extras).
+    """How a spec's fields are taken from one step's (observation, action, reward, extras) and
+    written into one row of the staging columns.
 
     Only specs whose observation and action are single tensors (not dicts) and whose extras
     are flat get a plan: the common case, kept simple.
     """
 
-    def __init__(self, spec: FieldSpec, sources: list[tuple[int, str | None]]) -> None:
-        # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype).
-        self.fields = [
-            (arg, name, spec[key].shape, spec[key].dtype, numpy_dtype(spec[key].dtype))
-            for (arg, name), key in zip(sources, spec, strict=True)
-        ]
+    def __init__(
+        self, spec: FieldSpec, sources: list[tuple[int, str | None]], arrays: list[np.ndarray]
+    ) -> None:
+        # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
+        # its staging column's numpy view, whether a Python float goes straight in).
+        self.fields = []
+        for (arg, name), key, array in zip(sources, spec, arrays, strict=True):
+            shape, dtype = spec[key].shape, spec[key].dtype
+            takes_float = shape == () and dtype.is_floating_point
+            self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
         self.extras = {name for arg, name in sources if arg == 3}
 
     @classmethod
-    def of(cls, spec: FieldSpec) -> RowPlan | None:
-        """The plan for ``spec``, or None when a field is nested or numpy cannot hold it."""
+    def of(cls, spec: FieldSpec, arrays: list[np.ndarray] | None) -> RowPlan | None:
+        """The plan for ``spec`` writing into ``arrays`` (numpy views of its staging columns,
+        in spec order), or None when a field is nested or numpy cannot hold it."""
+        if arrays is None:
+            return None
         sources: list[tuple[int, str | None]] = []
         for key in spec:
             if key in _STEP_KEYS:
@@ -54,25 +54,42 @@ class RowPlan:
                 sources.append((3, key[1]))
             else:
                 return None
-            if numpy_dtype(spec[key].dtype) is None:
-                return None
-        return cls(spec, sources)
+        return cls(spec, sources, arrays)
 
-    def values(self, observation: Any, action: Any, reward: Any, extras: Any) -> list | None:
-        """The step's values in spec order, ready for numpy assignment, or None."""
+    def stage(self, at: int, step: tuple[Any, Any, Any, Any]) -> bool:
+        """Write ``step`` (observation, action, reward, extras) into row ``at`` of the columns;
+        False when a value needs the general path.
+
+        On False some columns' row ``at`` may hold this step's values: the caller has not
+        staged that row yet, so nothing it holds changed. This is the per-step hot path, so the
+        exact matches the callers pass most (numpy arrays, CPU tensors, floats) are tested
+        inline and the rest go through :func:`fast_value`.
+        """
+        extras = step[3]
         if extras is None:
             if self.extras:
-                return None
+                return False
         elif type(extras) is not dict or extras.keys() != self.extras:
-            return None
-        step = (observation, action, reward, extras)
-        out = []
-        for arg, name, shape, dtype, np_dtype in self.fields:
-            value = fast_value(step[arg] if name is None else extras[name], shape, dtype, np_dtype)
-            if value is None:
-                return None
-            out.append(value)
-        return out
+            return False
+        for arg, name, shape, dtype, np_dtype, array, takes_float in self.fields:
+            value = step[arg] if name is None else extras[name]
+            kind = type(value)
+            if kind is np.ndarray:
+                if value.dtype != np_dtype or value.shape != shape:
+                    return False
+            elif kind is torch.Tensor:
+                if value.dtype is not dtype or not value.is_cpu or value.shape != shape:
+                    return False
+                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views)
+                    value = value.numpy()
+                except RuntimeError:
+                    return False  # the general path detaches and copies those
+            elif not (kind is float and takes_float):
+                value = fast_value(value, shape, dtype, np_dtype)
+                if value is None:
+                    return False
+            array[at] = value
+        return True
 
 
 def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype: Any) -> Any:

@@ -8,9 +8,15 @@ vectorized environments reuse for the next step.
 
 from __future__ import annotations
 
+import contextlib
+from array import array
+
+import numpy as np
 import torch
 
 from replaybuf.schema import FieldSpec, Key
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 class RowStager:
@@ -19,9 +25,20 @@ class RowStager:
     def __init__(self, spec: FieldSpec, capacity: int) -> None:
         self.capacity = capacity
         self.keys: list[Key] = list(spec)
-        self.columns = [torch.empty((capacity, *spec[k].shape), dtype=spec[k].dtype) for k in spec]
-        self.rows: list[int] = []
-        self._arrays: list | None = None  # numpy views of the columns, for stage_one
+        # One row more than staged: the spare row (index ``capacity``), where the per-step path
+        # checks a step before an eviction that flushes the staged rows.
+        self.columns = [
+            torch.empty((capacity + 1, *spec[k].shape), dtype=spec[k].dtype) for k in spec
+        ]
+        # Storage rows of the staged rows: int64, so that drain makes one tensor of them with
+        # torch.frombuffer (torch.tensor of 512 Python ints costs ~0.3 µs an int).
+        self.rows = array("q")
+        # numpy views of the columns, for the per-step fast path (replaybuf.fastrow: numpy item
+        # assignment costs far less than a copy_ per field); None where a dtype has no numpy
+        # twin (bfloat16, ...).
+        self.arrays: list[np.ndarray] | None = None
+        with contextlib.suppress(TypeError):
+            self.arrays = [column.numpy() for column in self.columns]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -36,23 +53,18 @@ class RowStager:
             column[begin:end].copy_(leaves[key])
         self.rows.extend(rows)
 
-    def stage_one(self, row: int, values: list) -> None:
-        """Copy one row given as numpy-assignable ``values`` in column order; caller checks fits.
-
-        Used by the per-step fast path (:mod:`replaybuf.fastrow`): numpy item assignment into a
-        view costs far less than a ``copy_`` per field.
-        """
-        if self._arrays is None:
-            self._arrays = [column.numpy() for column in self.columns]
-        at = len(self.rows)
-        for array, value in zip(self._arrays, values):  # noqa: B905 (lengths match: one plan)
-            array[at] = value
+    def stage_spare(self, row: int) -> None:
+        """Stage the spare row's contents (written through :attr:`arrays`) for ``row``;
+        caller checks fits."""
+        at, spare = len(self.rows), self.capacity
+        for column in self.arrays:
+            column[at] = column[spare]
         self.rows.append(row)
 
     def drain(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The staged rows' storage slots and data (views into the columns, in ``keys``
         order), then empty. The data must be consumed (written) before the next stage."""
         count = len(self.rows)
-        slots = torch.tensor(self.rows, dtype=torch.long)
-        self.rows = []
+        slots = torch.frombuffer(self.rows, dtype=torch.long) if count else _NO_SLOTS
+        self.rows = array("q")  # the tensor views the old array's memory: keep it, start anew
         return slots, [c[:count] for c in self.columns]

@@ -17,6 +17,7 @@ from replaybuf import (
     EpisodeStateError,
     SchemaError,
 )
+from replaybuf.aio import WRITE_BUDGET
 
 GAMMA = 0.9
 
@@ -412,3 +413,33 @@ async def test_nowait_appends_refuse_a_closed_buffer_and_bad_input_like_the_coro
     await buffer.close()
     with pytest.raises(BufferClosedError):
         buffer.append_observation_action_reward_nowait(e, *step(e, 1))
+
+
+async def test_awaited_writes_yield_to_other_tasks_once_every_write_budget_calls(buf):
+    """Per-step writes yield on a budget (a yield costs more than an append), so a collector
+    awaiting appends back to back still lets other tasks run, WRITE_BUDGET calls apart."""
+    turns = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal turns
+        while running:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    e = await buf.start_episode()
+    calls = 4 * WRITE_BUDGET
+    before = turns
+    for t in range(calls):
+        await buf.append_observation_action_reward(e, *step(e, t))
+    ran = turns - before
+    running = False
+    await task
+    assert calls // WRITE_BUDGET - 1 <= ran <= calls // WRITE_BUDGET + 1
+    assert (await buf.stats())["steps"] == calls
+    for _ in range(WRITE_BUDGET):  # bad input raises alike whether or not the call yields
+        with pytest.raises(SchemaError, match="field 'observation' expected shape"):
+            await buf.append_observation_action_reward(e, torch.zeros(5), *step(e, 1)[1:])
+    assert (await buf.stats())["steps"] == calls

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaybuf import SchemaError, SyncEpisodeReplayBuffer
+from replaybuf import EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
 from replaybuf.fastrow import RowPlan, fast_value
 from replaybuf.schema import FieldSpec
+from replaybuf.staging import RowStager
 
 
 def spec_of(leaves: dict) -> FieldSpec:
@@ -49,31 +50,58 @@ def values_of(kind: str, rng: np.random.Generator):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    kinds=st.lists(st.sampled_from(["numpy", "torch", "grad", "lists"]), min_size=1, max_size=40),
+    kinds=st.lists(
+        st.sampled_from(["numpy", "torch", "grad", "lists", "end"]), min_size=1, max_size=60
+    ),
     seed=st.integers(0, 2**16),
+    max_steps=st.sampled_from([6, 13, 64]),
 )
-def test_fast_and_general_paths_store_the_same_rows(kinds, seed):
+def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
+    """Including appends that must evict first (small ``max_steps``): the fast path checks the
+    values, flushes, evicts and stages in the order the general path does."""
     rng = np.random.default_rng(seed)
+    final = np.zeros(5, np.float32)
     with (
-        SyncEpisodeReplayBuffer(64, storage="tensor", seed=0) as fast,
-        general_path_only(SyncEpisodeReplayBuffer(64, storage="tensor", seed=0)) as slow,
+        SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0) as fast,
+        general_path_only(SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0)) as slow,
     ):
         first = values_of("numpy", rng)  # fixes the spec: obs f32[5], action i64, reward f32
         for buf in (fast, slow):
             ep = buf.start_episode()
             buf.append_observation_action_reward(ep, *first)
         for kind in kinds:
+            if kind == "end":
+                for buf in (fast, slow):
+                    buf.end_episode(ep, "truncated", final_observation=final)
+                ep = fast.start_episode()
+                assert slow.start_episode() == ep
+                continue
             values = values_of(kind, rng)
             if kind == "lists":
                 values = (np.asarray(values[0], np.float32), values[1], values[2])
+            refusals = []  # an episode longer than max_steps is refused alike by both paths
             for buf in (fast, slow):
-                buf.append_observation_action_reward(ep, *values)
+                try:
+                    buf.append_observation_action_reward(ep, *values)
+                    refusals.append(None)
+                except ValueError as exc:
+                    refusals.append(str(exc))
+            assert refusals[0] == refusals[1]
         for buf in (fast, slow):
-            buf.end_episode(ep, "truncated", final_observation=np.zeros(5, np.float32))
-        assert fields_equal(fast.get_episode(ep), slow.get_episode(ep))
-        a = fast.sample_n_step(16, n=2, gamma=0.9)
-        b = slow.sample_n_step(16, n=2, gamma=0.9)
-        assert fields_equal(a, b)
+            buf.end_episode(ep, "truncated", final_observation=final)
+        assert fast.stats() == slow.stats()
+        for e in range(ep + 1):
+            try:
+                want = slow.get_episode(e)
+            except EpisodeStateError:
+                with pytest.raises(EpisodeStateError, match="evicted"):
+                    fast.get_episode(e)
+                continue
+            assert fields_equal(fast.get_episode(e), want)
+        if len(slow):
+            a = fast.sample_n_step(16, n=2, gamma=0.9)
+            b = slow.sample_n_step(16, n=2, gamma=0.9)
+            assert fields_equal(a, b)
 
 
 def test_the_stored_row_is_a_copy_of_the_callers_array():
@@ -97,12 +125,39 @@ def test_extras_take_the_fast_path_when_their_keys_match():
             ("extras", "logp"): torch.zeros(()),
         }
     )
-    plan = RowPlan.of(spec)
-    obs = np.zeros(2, np.float32)
-    assert plan.values(obs, np.array(1), 0.5, {"logp": -1.0}) is not None
-    assert plan.values(obs, np.array(1), 0.5, None) is None  # missing extras: general path
-    assert plan.values(obs, np.array(1), 0.5, {"logp": -1.0, "x": 1.0}) is None
-    assert plan.values(obs, np.array(1), 0.5, {"other": -1.0}) is None
+    stager = RowStager(spec, 4)
+    plan = RowPlan.of(spec, stager.arrays)
+    obs = np.ones(2, np.float32)
+    assert plan.stage(1, (obs, np.array(3), 0.5, {"logp": -1.0}))
+    staged = {key: a[1].tolist() for key, a in zip(stager.keys, stager.arrays, strict=True)}
+    assert staged == {
+        ("action",): 3,
+        ("observation",): [1.0, 1.0],
+        ("reward",): 0.5,
+        ("extras", "logp"): -1.0,
+    }
+    assert not plan.stage(1, (obs, np.array(1), 0.5, None))  # missing extras: general path
+    assert not plan.stage(1, (obs, np.array(1), 0.5, {"logp": -1.0, "x": 1.0}))
+    assert not plan.stage(1, (obs, np.array(1), 0.5, {"other": -1.0}))
+
+
+def test_a_value_the_fast_path_declines_before_an_eviction_evicts_nothing():
+    with SyncEpisodeReplayBuffer(4, storage="tensor") as buf:
+        old = buf.start_episode()
+        for t in range(3):
+            buf.append_observation_action_reward(old, np.full(3, t, np.float32), np.int64(t), 1.0)
+        buf.end_episode(old, "terminated", final_observation=np.zeros(3, np.float32))
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, np.zeros(3, np.float32), np.int64(0), 1.0)
+        before = buf.stats()  # full: the next step must evict episode `old` first
+        with pytest.raises(SchemaError, match=r"field 'observation' expected dtype torch.float32"):
+            buf.append_observation_action_reward(ep, np.zeros(3, np.float64), np.int64(1), 1.0)
+        assert buf.stats() == before
+        assert buf.get_episode(old)["action"].tolist() == [0, 1, 2]
+        buf.append_observation_action_reward(ep, np.ones(3, np.float32), np.int64(1), 2.0)
+        assert buf.stats()["evicted_episodes"] == 1
+        buf.end_episode(ep, "terminated", final_observation=np.zeros(3, np.float32))
+        assert buf.get_episode(ep)["action"].tolist() == [0, 1]
 
 
 def test_nested_fields_get_no_plan():
@@ -113,7 +168,7 @@ def test_nested_fields_get_no_plan():
             ("reward",): torch.zeros(()),
         }
     )
-    assert RowPlan.of(spec) is None
+    assert RowPlan.of(spec, RowStager(spec, 4).arrays) is None
 
 
 @pytest.mark.parametrize(
