@@ -230,14 +230,17 @@ class SyncEpisodeReplayBuffer:
             raise ValueError("episode_ids must name at least one episode, got none")
         if len(set(ids)) != len(ids):
             raise ValueError(f"episode_ids must be distinct, got {ids}")
-        episodes = self._core.in_progress_all(ids, "append to")
-        rows = self._core.step_row(observations, actions, rewards, extras, True, "append_batch")
+        core = self._core
+        episodes = core.in_progress_all(ids, "append to")
+        if core.append_many(episodes, observations, actions, rewards, extras):
+            return
+        rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")
         got = next(iter(rows.values())).shape[0]
         if got != len(ids):
             raise ValueError(
                 f"append_batch: leading dimension expected {len(ids)} (len(episode_ids)), got {got}"
             )
-        self._core.append(episodes, rows)
+        core.append(episodes, rows)
 
     def end_episode(
         self, episode_id: int, status: str = "terminated", final_observation: Any = None

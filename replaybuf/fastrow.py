@@ -91,6 +91,37 @@ class RowPlan:
             array[at] = value
         return True
 
+    def batch_values(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
+        """``step``'s values for ``count`` episodes (each ``[count, *shape]``, numpy arrays or
+        CPU tensors of the exact dtype) as numpy arrays in column order, or None.
+
+        The caller copies them into the staging columns (one slice assignment per field);
+        anything else (lists, numbers, other dtypes) takes the general path.
+        """
+        extras = step[3]
+        if extras is None:
+            if self.extras:
+                return None
+        elif type(extras) is not dict or extras.keys() != self.extras:
+            return None
+        out = []
+        for arg, name, shape, dtype, np_dtype, _, _ in self.fields:
+            value = step[arg] if name is None else extras[name]
+            kind = type(value)
+            if kind is torch.Tensor:
+                if value.dtype is not dtype or not value.is_cpu:
+                    return None
+                try:
+                    value = value.numpy()
+                except RuntimeError:
+                    return None
+            elif kind is not np.ndarray or value.dtype != np_dtype:
+                return None
+            if value.shape != (count, *shape):
+                return None
+            out.append(value)
+        return out
+
 
 def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype: Any) -> Any:
     """``value`` as numpy can assign it when it matches the field exactly, else None."""

@@ -25,6 +25,7 @@ def spec_of(leaves: dict) -> FieldSpec:
 
 def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
     buf._core.append_one = lambda *args: False  # every append converts through to_leaves
+    buf._core.append_many = lambda *args: False
     return buf
 
 
@@ -102,6 +103,72 @@ def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
             a = fast.sample_n_step(16, n=2, gamma=0.9)
             b = slow.sample_n_step(16, n=2, gamma=0.9)
             assert fields_equal(a, b)
+
+
+def batch_values_of(kind: str, rng: np.random.Generator, envs: int):
+    obs = rng.standard_normal((envs, 5)).astype(np.float32)
+    act = rng.integers(0, 4, envs).astype(np.int64)
+    reward = rng.standard_normal(envs).astype(np.float32)
+    if kind == "numpy":
+        return obs, act, reward
+    if kind == "torch":
+        return torch.from_numpy(obs), torch.from_numpy(act), torch.from_numpy(reward)
+    if kind == "strided":  # a non-contiguous view: copied like any other
+        return torch.from_numpy(obs.T.copy()).T, torch.from_numpy(act), reward
+    # requires grad: the fast path declines (no numpy view), the general path detaches
+    return torch.from_numpy(obs).requires_grad_(), act, torch.from_numpy(reward)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["numpy", "torch", "strided", "grad", "end"]), min_size=1, max_size=30
+    ),
+    seed=st.integers(0, 2**16),
+    envs=st.integers(1, 4),
+    max_steps=st.sampled_from([9, 24, 128]),
+)
+def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, max_steps):
+    """append_batch's fast path (values sliced into the staging columns, rows assigned in one
+    loop), including batches that evict first, against the general path."""
+    rng = np.random.default_rng(seed)
+    final = np.zeros(5, np.float32)
+    with (
+        SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0) as fast,
+        general_path_only(SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0)) as slow,
+    ):
+        ids = [fast.start_episode() for _ in range(envs)]
+        assert [slow.start_episode() for _ in range(envs)] == ids
+        first = batch_values_of("numpy", rng, envs)  # fixes the spec
+        for buf in (fast, slow):
+            buf.append_batch(ids, *first)
+        for kind in kinds:
+            if kind == "end":  # the first env's episode ends; a new one takes its place
+                for buf in (fast, slow):
+                    buf.end_episode(ids[0], "terminated", final_observation=final)
+                ids[0] = fast.start_episode()
+                assert slow.start_episode() == ids[0]
+                continue
+            values = batch_values_of(kind, rng, envs)
+            refusals = []  # episodes longer than max_steps are refused alike by both paths
+            for buf in (fast, slow):
+                try:
+                    buf.append_batch(ids, *values)
+                    refusals.append(None)
+                except ValueError as exc:
+                    refusals.append(str(exc))
+            assert refusals[0] == refusals[1]
+        assert fast.stats() == slow.stats()
+        for e in range(max(ids) + 1):
+            try:
+                want = slow.get_episode(e)
+            except EpisodeStateError:
+                with pytest.raises(EpisodeStateError, match="evicted"):
+                    fast.get_episode(e)
+                continue
+            assert fields_equal(fast.get_episode(e), want)
+        if len(slow):
+            assert fields_equal(fast.sample_n_step(16, n=2), slow.sample_n_step(16, n=2))
 
 
 def test_the_stored_row_is_a_copy_of_the_callers_array():
