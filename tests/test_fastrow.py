@@ -271,3 +271,20 @@ def test_a_declined_bad_value_still_gets_the_general_paths_error_and_changes_not
         with pytest.raises(SchemaError, match=r"field 'action' expected dtype torch.int64"):
             buf.append_observation_action_reward(ep, np.zeros(3, np.float32), 1.5, 1.0)
         assert buf.stats() == before
+
+
+def test_batched_appends_check_every_episode_id_as_single_appends_do():
+    batch = (np.zeros((2, 3), np.float32), np.zeros(2, np.int64), np.zeros(2, np.float32))
+    with SyncEpisodeReplayBuffer(16, storage="tensor") as buf:
+        a, b = buf.start_episode(), buf.start_episode()
+        buf.append_batch([a, b], *batch)
+        before = buf.stats()
+        for ids in ([True, a], [a, 1.0], [a, 99]):  # True would hash like episode 1
+            with pytest.raises(EpisodeStateError, match=r"episode_id must be an int|unknown"):
+                buf.append_batch(ids, *batch)
+        buf.end_episode(b, "terminated", final_observation=np.zeros(3, np.float32))
+        with pytest.raises(EpisodeStateError, match=f"cannot append to episode {b}: it has ended"):
+            buf.append_batch([a, b], *batch)
+        assert buf.stats()["steps"] == before["steps"]
+        buf.append_batch([np.int64(a)], *(v[:1] for v in batch))  # numpy ids work as before
+        assert buf.stats()["steps"] == before["steps"] + 1
