@@ -215,24 +215,34 @@ class ReplayBuffer:
                 "add expects one transition (batch_size []), got batch_size "
                 f"{list(experience.batch_size)}; use add_batch for batches"
             )
-        leaves = to_leaves(experience, batched=False, what="add", spec=self.spec)
-        self._write({key: value.unsqueeze(0) for key, value in leaves.items()}, "add")
+        spec = self.spec
+        leaves = None if spec is None else spec.match(experience, batched=False)
+        matched = leaves is not None
+        if leaves is None:
+            leaves = to_leaves(experience, batched=False, what="add", spec=spec)
+        self._write({key: value.unsqueeze(0) for key, value in leaves.items()}, "add", matched)
 
     def add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
         """Add a batch of transitions (leading dimension = rows); keeps the newest on overflow."""
         self._check_open()
-        self._write(to_leaves(batch, batched=True, what="add_batch", spec=self.spec), "add_batch")
+        spec = self.spec
+        leaves = None if spec is None else spec.match(batch, batched=True)
+        if leaves is not None:  # exactly the spec's fields: nothing to convert or check
+            self._write(leaves, "add_batch", checked=True)
+        else:
+            self._write(to_leaves(batch, batched=True, what="add_batch", spec=spec), "add_batch")
 
-    def _write(self, leaves: dict[Key, torch.Tensor], what: str) -> None:
-        """Write checked ``[rows, ...]`` leaves by flat key (no TensorDict is built for them
-        once the storage writes directly: a TensorDict setitem per field costs more than the
-        copy of a 1,000-row chunk)."""
+    def _write(self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False) -> None:
+        """Write ``[rows, ...]`` leaves by flat key, checked against the spec unless ``checked``
+        (they came from :meth:`FieldSpec.match`). No TensorDict is built for them once the
+        storage writes directly: a TensorDict setitem per field costs more than the copy of a
+        1,000-row chunk."""
         rows = next(iter(leaves.values())).shape[0]
         if self.spec is None:
             if rows == 0:
                 return  # an empty batch must not fix the spec
             self._slots.prepare(FieldSpec.of(leaves, 1))
-        else:
+        elif not checked:
             self.spec.check(leaves, 1, what)
         if rows == 0:
             return

@@ -51,6 +51,7 @@ class FieldSpec(Mapping[Key, Field]):
 
     def __init__(self, fields: Mapping[Key, Field]) -> None:
         self._fields = dict(sorted(fields.items()))
+        self._tree = _field_tree(self._fields)
 
     def __getitem__(self, key: Key) -> Field:
         return self._fields[key]
@@ -126,6 +127,20 @@ class FieldSpec(Mapping[Key, Field]):
             td.set(key, torch.zeros((rows, *f.shape), dtype=f.dtype, device=device))
         return td
 
+    def match(self, data: Any, batched: bool) -> dict[Key, torch.Tensor] | None:
+        """``data``'s leaves by key when it is a TensorDict or dict of tensors that matches the
+        spec exactly (keys, shapes, dtypes and, for a batch, one row count), else None.
+
+        The fast path of a write: what :func:`to_leaves` and :meth:`check` would accept as is,
+        found without flattening, converting or re-checking (~3 µs instead of ~12 for four
+        fields). None means "take the general path", which converts what needs converting or
+        raises the precise error. Values on any device but ``meta`` are taken, as there.
+        """
+        if self._tree is None or (type(data) is not TensorDict and type(data) is not dict):
+            return None
+        leaves: dict[Key, torch.Tensor] = {}
+        return None if _match(data, self._tree, batched, leaves, -1) is None else leaves
+
     def check(
         self, td: TensorDictBase | Mapping[Key, torch.Tensor], batch_dims: int, what: str
     ) -> None:
@@ -155,6 +170,59 @@ class FieldSpec(Mapping[Key, Field]):
                 raise SchemaError(
                     f"{what}: field {key_name(key)!r} expected dtype {f.dtype}, got {value.dtype}"
                 )
+
+
+# A spec as a tree for FieldSpec.match: name -> subtree (a dict), or (key, shape, dtype).
+_Tree = dict[str, Any]
+
+
+def _field_tree(fields: Mapping[Key, Field]) -> _Tree | None:
+    """The fields as a tree of names; None where no write can match as is (a reserved name,
+    which to_leaves refuses, or a key that is both a leaf and a prefix of another)."""
+    tree: _Tree = {}
+    for key, field in fields.items():
+        if key[0] in RESERVED_KEYS:
+            return None
+        node = tree
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                return None
+        if key[-1] in node:
+            return None
+        node[key[-1]] = (key, field.shape, field.dtype)
+    return tree
+
+
+def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -> int | None:
+    """Add ``data``'s leaves to ``leaves`` if they match ``tree`` exactly. Returns the batch's
+    row count (``rows``: the count so far, -1 before the first leaf) or None on a difference."""
+    seen = 0
+    for name, value in data.items():
+        node = tree.get(name)
+        if node is None:
+            return None
+        seen += 1
+        if type(node) is dict:  # a subtree (leaves are tuples)
+            if type(value) is not TensorDict and type(value) is not dict:
+                return None
+            rows = _match(value, node, batched, leaves, rows)
+            if rows is None:
+                return None
+            continue
+        key, shape, dtype = node
+        if type(value) is not torch.Tensor or value.dtype != dtype or value.is_meta:
+            return None
+        size = value.shape
+        if batched:
+            if not size or size[1:] != shape or (rows >= 0 and size[0] != rows):
+                return None
+            rows = size[0]
+        elif size != shape:
+            return None
+        # to_leaves detaches every tensor; one that needs no grad is the same data as is.
+        leaves[key] = value.detach() if value.requires_grad else value
+    return rows if seen == len(tree) else None
 
 
 def _declared_field(value: Any, what: str) -> Field:

@@ -138,6 +138,9 @@ class SlotStorage:
         self._leaves: list[tuple[Key, torch.Tensor]] = []
         self._flat_names: list[str] | None = None
         self._index_column: torch.Tensor | None = None
+        # Slots [0, _index_known) of TorchRL's index column are known to hold their own slot
+        # (its invariant, written on the ring's first pass); extend then skips re-writing them.
+        self._index_known = 0
         self._direct = False  # set after the first write (see _after_first_write)
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         self._stager = _PinnedStager()
@@ -165,6 +168,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
+        self._index_known = 0
         self._flat_names = None
         self._direct = False
         self.memory = None  # type: ignore[assignment]
@@ -206,36 +210,54 @@ class SlotStorage:
         if not self._direct:
             first = not self._leaves
             td = data if isinstance(data, TensorDictBase) else _tensordict(data)
+            cursor = self.memory.writer.state_dict()["_cursor"]
             self.memory.extend(td.to(self.storing_device))
             if first:
                 self._after_first_write()
+            self._index_written(cursor, td.shape[0])  # TorchRL's extend wrote the index
             return
         # TorchRL's TensorDictRoundRobinWriter.extend is: slots from its cursor, cursor and
         # write count advanced, an "index" column holding each row's slot, then storage.set
         # (~200 µs of TensorDict setitem per call). The same state through its public
         # state_dict / load_state_dict; the rows as slice copies (one run, or two where the
-        # ring wraps) into the very tensors TorchRL holds.
+        # ring wraps) into the very tensors TorchRL holds. The index column holds the same
+        # values on every pass, so it is written only where it may not yet (_index_known).
         writer = self.memory.writer
         state = writer.state_dict()
-        rows, cursor = next(iter(data.values())).shape[0], state["_cursor"]
-        slots = torch.arange(cursor, cursor + rows, device=self.storing_device)
-        head = min(rows, self.capacity - cursor)
-        if head < rows:
-            slots %= self.capacity
-        columns = [(column, data[key]) for key, column in self._leaves]
-        if self._index_column is not None:
-            columns.append((self._index_column, slots))
-        for column, value in columns:  # copy_ moves values to the storing device
-            column[cursor : cursor + head].copy_(value[:head])
-            if head < rows:
+        cursor = state["_cursor"]
+        values = [data[key] for key, _ in self._leaves]
+        rows = values[0].shape[0]
+        end = cursor + rows
+        if end <= self.capacity:  # one run of slots: copy whole values, no slicing of them
+            for (_, column), value in zip(self._leaves, values, strict=True):
+                column[cursor:end].copy_(value)  # copy_ moves values to the storing device
+            if end > self._index_known and self._index_column is not None:
+                slots = torch.arange(cursor, end, device=self.storing_device)
+                self._index_column[cursor:end].copy_(slots)
+                self._index_written(cursor, rows)
+            # TorchRL's storage takes a range as the cursor (as a tensor of slots, the same
+            # last slot); no tensor to build, nor a device sync to read its last element.
+            written: torch.Tensor | range = range(cursor, end)
+        else:
+            head = self.capacity - cursor
+            written = torch.arange(cursor, end, device=self.storing_device) % self.capacity
+            columns = [(c, v) for (_, c), v in zip(self._leaves, values, strict=True)]
+            if self._index_column is not None:
+                columns.append((self._index_column, written))
+            for column, value in columns:
+                column[cursor:].copy_(value[:head])
                 column[: rows - head].copy_(value[head:])
-        self._record_write(slots)
+            self._index_written(cursor, rows)
+        self._record_write(written, values[0])
         writer.load_state_dict(
-            {
-                "_cursor": (cursor + rows) % self.capacity,
-                "_write_count": state["_write_count"] + rows,
-            }
+            {"_cursor": end % self.capacity, "_write_count": state["_write_count"] + rows}
         )
+
+    def _index_written(self, cursor: int, rows: int) -> None:
+        """Note that TorchRL's index column now holds the slots of ``rows`` rows written from
+        ``cursor`` (wrapping), so that later passes of the ring need not write it again."""
+        if self._index_column is not None and cursor <= self._index_known:
+            self._index_known = max(self._index_known, min(cursor + rows, self.capacity))
 
     def write(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         """Write rows at explicit slots, leaving TorchRL's ring cursor alone."""
@@ -258,14 +280,19 @@ class SlotStorage:
         by_key = dict(zip(keys, values, strict=True))
         for key, column in self._leaves:
             column.index_copy_(0, slots, by_key[key].to(self.storing_device))
-        self._record_write(slots)
+        self._record_write(slots, slots)
 
-    def _record_write(self, slots: torch.Tensor) -> None:
+    def _record_write(self, cursor: torch.Tensor | range, per_row: torch.Tensor) -> None:
         """What TorchRL's TensorStorage.set records besides the copy, through its own methods:
-        the last cursor, the length, and the revision that invalidates samplers' caches."""
+        the last cursor (``cursor``: the slots written, a tensor or a range), the length, and
+        the revision that invalidates samplers' caches. ``per_row``: a tensor with one entry
+        per written row along its first dimension (the slots, or a field's values)."""
         storage = self.memory.storage
-        storage._set_last_cursor(slots)
-        storage._get_new_len(slots, slots)  # counts rows: the slots have one per row
+        storage._set_last_cursor(cursor)
+        # _get_new_len sets the length to min(length + rows, max_size), a no-op once the
+        # storage is full (a ring's usual state): len() costs ~0.5 µs, the call ~2.5 µs.
+        if len(storage) < storage.max_size:
+            storage._get_new_len(per_row, cursor)  # counts rows: per_row has one per row
         storage._bump_mutation_revision()
 
     def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
@@ -423,6 +450,7 @@ class SlotStorage:
         if _TORCHRL_INDEX_KEY[0] in stored.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
             index = stored.get(_TORCHRL_INDEX_KEY[0])
             index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
+            self._index_known = max(self._index_known, rows)
 
 
 def _tensordict(leaves: dict[Key, torch.Tensor]) -> TensorDict:

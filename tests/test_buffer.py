@@ -11,7 +11,8 @@ from replay_helpers import ACTION_DIM, OBS_DIM, ids_of, rows, transition
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf import BufferClosedError, ReplayBuffer
+import replaybuf.buffer
+from replaybuf import BufferClosedError, FieldSpec, ReplayBuffer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -121,6 +122,38 @@ def test_add_stores_detached_values_of_tensors_that_require_grad(make_buffer, st
     stored = buf.sample_all()["obs"]
     assert not stored.requires_grad
     assert torch.equal(stored, torch.full((2, 3), 2.0))
+
+
+def test_writes_after_the_first_store_detached_values_of_tensors_that_require_grad(
+    make_buffer, storage
+):
+    # Once the spec is fixed, exact batches skip to_leaves (FieldSpec.match): still detached.
+    buf = make_buffer(4, storage=storage)
+    buf.add_batch({"obs": torch.zeros(1, 3)})
+    obs = torch.ones(2, 3, requires_grad=True)
+    buf.add_batch(TensorDict({"obs": obs * 2}, batch_size=[2]))
+    buf.add({"obs": obs[0] * 3})
+    stored = buf.sample_all()["obs"]
+    assert not stored.requires_grad
+    assert stored.tolist() == [[0.0] * 3, [2.0] * 3, [2.0] * 3, [3.0] * 3]
+
+
+def test_exact_writes_skip_the_general_conversion_and_check(make_buffer, storage, monkeypatch):
+    buf = make_buffer(8, storage=storage)
+    buf.add_batch(rows(0, 2))
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("an exact write took the general path")
+
+    monkeypatch.setattr(replaybuf.buffer, "to_leaves", general_path)
+    monkeypatch.setattr(FieldSpec, "check", general_path)
+    buf.add_batch(rows(2, 3))  # a TensorDict
+    buf.add_batch(rows(5, 2).to_dict())  # a nested dict of tensors
+    buf.add(transition(7))
+    assert ids_of(buf.sample_all()) == list(range(8))
+    monkeypatch.undo()
+    buf.add_batch({**rows(8, 2).to_dict(), "reward": np.array([4.0, 4.5], np.float32)})
+    assert ids_of(buf.sample_all()) == list(range(2, 10))  # numpy: the general path
 
 
 def test_add_batch_accepts_non_contiguous_tensors(make_buffer, storage):

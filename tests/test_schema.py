@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from replay_helpers import ids_of, rows, unchanged
+from replay_helpers import ids_of, rows, transition, unchanged
 from tensordict import TensorDict
 
-from replaybuf import ReplayBuffer, SchemaError
+from replaybuf import Field, FieldSpec, ReplayBuffer, SchemaError
 from replaybuf.schema import to_leaves
 
 
@@ -241,3 +241,93 @@ def test_a_zero_dim_numpy_array_keeps_its_shape():
     leaves = to_leaves({"action": np.array(3)}, batched=False, what="add")
     assert leaves[("action",)].shape == ()
     assert leaves[("action",)].item() == 3
+
+
+# ----------------------------------------------------------------- the fast path (FieldSpec.match)
+def _flat(n: int = 3) -> dict:
+    """A batch with only top-level fields (the common layout, and the benchmark's)."""
+    return {
+        "obs": torch.zeros(n, 4),
+        "action": torch.zeros(n, 2),
+        "reward": torch.zeros(n),
+        "done": torch.zeros(n, dtype=torch.bool),
+    }
+
+
+FLAT_CASES = {
+    "missing key": _with(_flat(), done=None),
+    "extra key": _with(_flat(), aux=torch.zeros(3)),
+    "reserved name": _with(_flat(), index=torch.zeros(3)),
+    "float64 for float32": _with(_flat(), obs=torch.zeros(3, 4, dtype=torch.float64)),
+    "int64 for bool": _with(_flat(), done=torch.zeros(3, dtype=torch.int64)),
+    "other shape": _with(_flat(), obs=torch.zeros(3, 5)),
+    "same numel, other shape": _with(_flat(), obs=torch.zeros(3, 2, 2)),
+    "one row without its batch dim": _with(_flat(), obs=torch.zeros(4)),
+    "0-d tensor": _with(_flat(), reward=torch.tensor(1.0)),
+    "rows disagree": _with(_flat(), reward=torch.zeros(2)),
+    "python number": _with(_flat(), reward=1.0),
+    "meta tensor": _with(_flat(), obs=torch.zeros(3, 4, device="meta")),
+    "list value": _with(_flat(), obs=[[0.0] * 4] * 3),
+    "string value": _with(_flat(), obs="abc"),
+    "object array": _with(_flat(), obs=np.array([[None] * 4] * 3)),
+    "int key": {**_flat(), 3: torch.zeros(3)},
+    "nested where a leaf is stored": _with(_flat(), obs={"x": torch.zeros(3, 4)}),
+    "empty nested dict": _with(_flat(), next={}),
+    "no fields": {},
+    "tensordict with a wrong dtype": TensorDict(
+        _with(_flat(), reward=torch.zeros(3, dtype=torch.float16)), batch_size=[3]
+    ),
+    "not a mapping": [torch.zeros(3, 4)],
+}
+
+
+@pytest.fixture
+def flat(make_buffer, storage) -> ReplayBuffer:
+    buf = make_buffer(8, storage=storage)
+    buf.add_batch(TensorDict(_flat(), batch_size=[3]))
+    return buf
+
+
+@pytest.mark.parametrize("bad", FLAT_CASES.values(), ids=FLAT_CASES.keys())
+def test_a_batch_the_fast_path_declines_gets_the_general_path_s_exact_error(flat, bad):
+    spec = flat.spec
+    assert spec.match(bad, batched=True) is None
+    with pytest.raises((SchemaError, TypeError)) as general:
+        spec.check(to_leaves(bad, batched=True, what="add_batch", spec=spec), 1, "add_batch")
+    with unchanged(flat), pytest.raises(type(general.value)) as got:
+        flat.add_batch(bad)
+    assert str(got.value) == str(general.value)
+
+
+def test_match_takes_the_callers_tensors_of_an_exact_batch_as_they_are():
+    batch = rows(0, 3)  # nested: next.obs
+    batch["obs"] = batch["obs"].t().contiguous().t()  # not contiguous: still taken
+    spec = FieldSpec.of(batch, 1)
+    for data in (batch, batch.to_dict()):
+        leaves = spec.match(data, batched=True)
+        assert leaves is not None
+        assert set(leaves) == set(spec)
+        assert all(leaves[key] is batch.get(key) for key in spec)
+    row = transition(4)
+    assert spec.match(row, batched=False) is not None
+    assert spec.match(row, batched=True) is None  # 0-d reward and done: not a batch
+    assert spec.match(batch, batched=False) is None
+
+
+def test_match_detaches_tensors_that_require_grad():
+    spec = FieldSpec.of(TensorDict(_flat(), batch_size=[3]), 1)
+    obs = torch.ones(3, 4, requires_grad=True)
+    leaves = spec.match(_with(_flat(), obs=obs), batched=True)
+    assert not leaves[("obs",)].requires_grad
+    assert leaves[("obs",)].data_ptr() == obs.data_ptr()  # the same data, not a copy
+
+
+def test_match_declines_what_the_general_path_converts_or_refuses():
+    spec = FieldSpec.of(TensorDict(_flat(), batch_size=[3]), 1)
+    converted = _with(_flat(), obs=np.zeros((3, 4), np.float32))  # to_leaves takes it
+    assert spec.match(converted, batched=True) is None
+    assert spec.check(to_leaves(converted, batched=True, what="x", spec=spec), 1, "x") is None
+    subclass = _with(_flat(), obs=torch.nn.Parameter(torch.zeros(3, 4)))
+    assert spec.match(subclass, batched=True) is None
+    reserved = FieldSpec({("index",): Field((), torch.float32)})  # to_leaves refuses the name
+    assert reserved.match({"index": torch.zeros(3)}, batched=True) is None

@@ -322,9 +322,52 @@ def test_ring_writes_leave_torchrl_s_view_exactly_as_its_own_extend_would(
         ours, theirs = buf.memory, reference
         assert ours.writer.state_dict() == theirs.writer.state_dict()
         assert len(ours.storage) == len(theirs.storage)
+        # The last written slot (ours records a range where TorchRL records a tensor of slots).
+        assert ours.storage._last_cursor_index == theirs.storage._last_cursor_index
         everything = torch.arange(10)
         mine, want = ours.storage.get(everything), theirs.storage.get(everything)
         for key in ("obs", "action", "reward", "done", "index"):
             assert torch.equal(mine[key], want[key]), key
         assert buf.pointer == theirs.writer.state_dict()["_cursor"]
         assert ids_of(buf.sample_all()) == list(range(written))[-10:]
+
+
+def _torchrl_index(buf: ReplayBuffer) -> torch.Tensor:
+    """TorchRL's own "index" column over the rows its storage holds."""
+    return buf.memory.storage.get(torch.arange(len(buf.memory.storage)))["index"]
+
+
+@pytest.mark.parametrize("rows_then_chunks", [(6, [3, 5, 9, 10, 4]), (10, [7, 1, 10, 13])])
+def test_torchrl_s_index_column_holds_each_slot_through_wraps_resets_and_loads(
+    tmp_path, storage, rows_then_chunks
+):
+    # add_batch writes TorchRL's "index" column (index[s] == s) only on the ring's first pass:
+    # after wrapping, a reset (a fresh storage) and a checkpoint load (which holds only some
+    # rows), it must still read arange over the stored rows, and TorchRL's own view must work.
+    first, chunks = rows_then_chunks
+    with ReplayBuffer("cpu", "cpu", 10, storage=storage, scratch_dir=tmp_path) as buf:
+        written = 0
+        for count in [first, *chunks]:
+            buf.add_batch(rows(written, count))
+            written += count
+            assert torch.equal(_torchrl_index(buf), torch.arange(len(buf))), written
+        for _ in range(2):  # a reset twice: the second storage is fresh again
+            buf.reset()
+            buf.add_batch(rows(0, first))
+            for count in chunks:
+                buf.add_batch(rows(0, count))
+                assert torch.equal(_torchrl_index(buf), torch.arange(len(buf)))
+        buf.reset()
+        buf.add_batch(rows(0, first))
+        directory = buf.save_checkpoint(tmp_path / "ckpt")
+    with ReplayBuffer.load_checkpoint(directory, scratch_dir=tmp_path) as loaded:
+        assert torch.equal(_torchrl_index(loaded), torch.arange(first))
+        written = first
+        for count in chunks:
+            loaded.add_batch(rows(written, count))
+            written += count
+            assert torch.equal(_torchrl_index(loaded), torch.arange(len(loaded)))
+        sample = loaded.memory.sample(32)  # TorchRL's own sampling reads every column
+        ids = sample["obs"][:, 0].long()  # row k was written to slot k % 10
+        assert torch.equal(ids % 10, sample["index"])
+        assert bool(((ids >= written - 10) & (ids < written)).all())
