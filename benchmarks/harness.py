@@ -68,7 +68,10 @@ def interleaved(
 
     One untimed call of each first (lazy allocation, first-touch page faults, caches). Going
     round-robin means a change of machine load hits every implementation alike, so the ratios
-    between them hold even when absolute times drift.
+    between them hold even when absolute times drift. The order rotates by one each repeat:
+    a workload timed right after another pays for the caches that one evicted (measured: ~15%
+    on a per-step insert timed after the floor's), so no implementation always follows the
+    same one.
     """
     for w in workloads.values():
         if w.is_async:
@@ -76,9 +79,12 @@ def interleaved(
             loop.run_until_complete(w.fn())  # type: ignore[arg-type]
         else:
             w.fn()
-    runs: dict[str, list[float]] = {name: [] for name in workloads}
-    for _ in range(repeats):
-        for name, w in workloads.items():
+    names = list(workloads)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        turn = repeat % len(names)
+        for name in names[turn:] + names[:turn]:
+            w = workloads[name]
             runs[name].append(_timed(w, loop) / w.calls)
     return {name: timing(r, workloads[name].items) for name, r in runs.items()}
 
