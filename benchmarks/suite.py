@@ -297,16 +297,18 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     closers: list[Callable[[], Any]] = []
 
-    def episode_buffers(envs: int) -> tuple[SyncEpisodeReplayBuffer, EpisodeReplayBuffer]:
+    def sync_buffer(envs: int) -> SyncEpisodeReplayBuffer:
         capacity = max(4 * envs * length, cfg.w4_min_capacity)
-        kwargs = {"storage": "tensor", "scratch_dir": scratch, "seed": 0}
         episodes = capacity // length + 4 * max(envs, 64)  # short episodes need final rows
-        sync = SyncEpisodeReplayBuffer(capacity, episodes, **kwargs)
-        aio = EpisodeReplayBuffer(capacity, episodes, **kwargs)
-        peers.prefill_episodes(sync, length)  # full: timed appends evict (steady state)
-        peers.prefill_episodes(aio._sync, length)
-        closers.extend([sync.close, aio._sync.close])
-        return sync, aio
+        buf = SyncEpisodeReplayBuffer(
+            capacity, episodes, storage="tensor", scratch_dir=scratch, seed=0
+        )
+        peers.prefill_episodes(buf, length)  # full: timed appends evict (steady state)
+        closers.append(buf.close)
+        return buf
+
+    def episode_buffers(envs: int) -> tuple[SyncEpisodeReplayBuffer, EpisodeReplayBuffer]:
+        return sync_buffer(envs), EpisodeReplayBuffer._wrap(sync_buffer(envs))
 
     try:
         # ---- one step per call
@@ -316,7 +318,7 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
         calls = cfg.one_step_calls
         # replaybuf is timed on the inputs SB3's add gets (numpy arrays, what a gymnasium
         # env returns) and, sync, on torch tensors (each costs a numpy() view, ~0.7 µs here).
-        sync_torch, _ = episode_buffers(1)
+        sync_torch = sync_buffer(1)
         work = {
             peers.FLOOR: Workload(peers.floor_writer(one, capacity), calls),
             "replaybuf sync": Workload(peers.episode_writer(sync, one, 1, length, True), calls),
@@ -683,7 +685,7 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
     sb3 = med(one.get(peers.SB3))
     bname, bval = best_of(one, PEERS)
     modes = [("sync", "sync", 1.0)]
-    if "replaybuf sync torch" in one:  # reports from before the input kinds were split
+    if "replaybuf sync torch" in one:  # absent in reports from before the split by input
         modes.append(("sync torch", "sync, torch inputs,", None))
     modes.append(("async", "async (awaited)", 2.0))
     if "replaybuf async nowait" in one:

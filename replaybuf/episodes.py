@@ -480,9 +480,8 @@ class EpisodeCore:
             if not plan.stage(stager.capacity, step):
                 return False
             self.make_room(1, 1, 0, {episode.episode_id})  # may refuse: nothing changed then
-            if not stager.fits(1):
-                self._write_staged()
-            stager.stage_spare(self._assign_row(episode))
+            # make_room evicted, so it flushed: the stager is empty.
+            stager.stage_spare(self._assign_row(episode), plan.arrays)
             return True
         if len(stager.rows) >= stager.capacity:
             self._write_staged()
@@ -517,7 +516,7 @@ class EpisodeCore:
         if not stager.fits(count):
             self._write_staged()
         at = len(stager.rows)
-        for column, value in zip(stager.arrays, values):  # noqa: B905 (one plan: same length)
+        for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan: same length)
             column[at : at + count] = value
         stager.rows.extend(self._assign_rows(episodes))
         return True
@@ -560,7 +559,7 @@ class EpisodeCore:
         # per episode of every append_batch); anything else gets in_progress's checks.
         found = list(map(self.episodes.get, episode_ids))
         if (
-            None not in found
+            all(found)  # no None (an Episode is always true)
             and set(map(type, episode_ids)) == {int}  # a bool would find episode 0 or 1
             and all(e.end_kind == END_NONE for e in found)
         ):

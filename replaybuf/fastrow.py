@@ -6,6 +6,7 @@ numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsquee
 ``copy_`` per field) costs tens of microseconds a step; numpy item assignment about one per
 field. Anything else is declined here and takes the general path, which converts what it can
 and raises the precise error; so this module never raises and never changes anything stored.
+``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import torch
 from replaybuf.schema import FieldSpec
 
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
+# What Tensor.numpy() raises for tensors it cannot view: RuntimeError (grad, conj/neg bits),
+# TypeError (sparse and other layouts).
+_NO_VIEW = (RuntimeError, TypeError)
+# Float fields a Python float goes into as numpy assigns it (float16 would warn on overflow
+# where torch silently stores inf: those take the general path).
+_FLOATS = (torch.float32, torch.float64)
 
 
 class RowPlan:
@@ -33,12 +40,13 @@ class RowPlan:
     ) -> None:
         # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
         # its staging column's numpy view, whether a Python float goes straight in).
-        self.fields = []
+        self.fields: list[tuple[Any, ...]] = []
         for (arg, name), key, array in zip(sources, spec, arrays, strict=True):
             shape, dtype = spec[key].shape, spec[key].dtype
-            takes_float = shape == () and dtype.is_floating_point
+            takes_float = shape == () and dtype in _FLOATS
             self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
         self.extras = {name for arg, name in sources if arg == 3}
+        self.arrays = arrays
 
     @classmethod
     def of(cls, spec: FieldSpec, arrays: list[np.ndarray] | None) -> RowPlan | None:
@@ -80,10 +88,10 @@ class RowPlan:
             elif kind is torch.Tensor:
                 if value.dtype is not dtype or not value.is_cpu or value.shape != shape:
                     return False
-                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views)
+                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
                     value = value.numpy()
-                except RuntimeError:
-                    return False  # the general path detaches and copies those
+                except _NO_VIEW:
+                    return False  # the general path detaches and copies, or refuses, those
             elif not (kind is float and takes_float):
                 value = fast_value(value, shape, dtype, np_dtype)
                 if value is None:
@@ -113,7 +121,7 @@ class RowPlan:
                     return None
                 try:
                     value = value.numpy()
-                except RuntimeError:
+                except _NO_VIEW:
                     return None
             elif kind is not np.ndarray or value.dtype != np_dtype:
                 return None
@@ -129,16 +137,16 @@ def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype:
     if kind is torch.Tensor:
         if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
             return None
-        try:  # one call: numpy() refuses what it cannot view (grad, lazy conj/neg views)
+        try:  # one call: numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
             return value.numpy()
-        except RuntimeError:
-            return None  # the general path detaches and copies those
+        except _NO_VIEW:
+            return None  # the general path detaches and copies, or refuses, those
     if kind is np.ndarray:
         return value if value.dtype == np_dtype and value.shape == shape else None
     if shape != ():
         return None
     if kind is float:
-        return value if dtype.is_floating_point else None
+        return value if dtype in _FLOATS else None  # float16 would warn on overflow: general
     if kind is bool:
         return value if dtype is torch.bool else None
     if kind is int and not dtype.is_floating_point and dtype is not torch.bool:

@@ -211,7 +211,12 @@ def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -
                 return None
             continue
         key, shape, dtype = node
-        if type(value) is not torch.Tensor or value.dtype != dtype or value.is_meta:
+        if (
+            type(value) is not torch.Tensor
+            or value.dtype != dtype
+            or value.is_meta
+            or value.layout is not torch.strided
+        ):
             return None
         size = value.shape
         if batched:
@@ -303,6 +308,11 @@ def _to_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             raise SchemaError(f"{what}: field {name!r} is a meta tensor (it holds no data)")
+        if value.layout is not torch.strided:  # storage columns are dense: refuse up front
+            raise TypeError(
+                f"{what}: field {name!r} expected a dense (strided) tensor, got layout "
+                f"{value.layout}; convert it with .to_dense()"
+            )
         return value.detach()
     if isinstance(value, np.ndarray):
         if value.dtype == object:

@@ -1,8 +1,9 @@
 """Staging of appended rows before they are written to TorchRL storage in one call.
 
 TorchRL's per-call write costs tens of microseconds and a TensorDict per step costs more, so
-appended steps are copied (``copy_``) into preallocated host columns, one per field, and written
-to storage ``capacity`` rows at a time. Copying also decouples us from the caller's arrays, which
+appended steps are copied into preallocated host columns, one per field (``copy_``, or numpy
+assignment through :attr:`RowStager.arrays` on the fast paths), and written to storage
+``capacity`` rows at a time. Copying also decouples us from the caller's arrays, which
 vectorized environments reuse for the next step.
 """
 
@@ -53,11 +54,11 @@ class RowStager:
             column[begin:end].copy_(leaves[key])
         self.rows.extend(rows)
 
-    def stage_spare(self, row: int) -> None:
-        """Stage the spare row's contents (written through :attr:`arrays`) for ``row``;
-        caller checks fits."""
+    def stage_spare(self, row: int, arrays: list[np.ndarray]) -> None:
+        """Stage the spare row's contents, written through ``arrays`` (:attr:`arrays`), for
+        ``row``; caller checks fits."""
         at, spare = len(self.rows), self.capacity
-        for column in self.arrays:
+        for column in arrays:
             column[at] = column[spare]
         self.rows.append(row)
 
@@ -66,5 +67,7 @@ class RowStager:
         order), then empty. The data must be consumed (written) before the next stage."""
         count = len(self.rows)
         slots = torch.frombuffer(self.rows, dtype=torch.long) if count else _NO_SLOTS
-        self.rows = array("q")  # the tensor views the old array's memory: keep it, start anew
+        # The tensor views the old array's memory (TorchRL keeps it as its last cursor): that
+        # array is never touched again; staging starts a new one.
+        self.rows = array("q")
         return slots, [c[:count] for c in self.columns]

@@ -210,7 +210,7 @@ class SlotStorage:
         if not self._direct:
             first = not self._leaves
             td = data if isinstance(data, TensorDictBase) else _tensordict(data)
-            cursor = self.memory.writer.state_dict()["_cursor"]
+            cursor = self.memory.writer.state_dict().get("_cursor")  # other writers: None
             self.memory.extend(td.to(self.storing_device))
             if first:
                 self._after_first_write()
@@ -253,9 +253,12 @@ class SlotStorage:
             {"_cursor": end % self.capacity, "_write_count": state["_write_count"] + rows}
         )
 
-    def _index_written(self, cursor: int, rows: int) -> None:
+    def _index_written(self, cursor: int | None, rows: int) -> None:
         """Note that TorchRL's index column now holds the slots of ``rows`` rows written from
-        ``cursor`` (wrapping), so that later passes of the ring need not write it again."""
+        ``cursor`` (wrapping), so that later passes of the ring need not write it again
+        (``cursor`` None: a writer without one, whose writes never take the direct path)."""
+        if cursor is None:
+            return
         if self._index_column is not None and cursor <= self._index_known:
             self._index_known = max(self._index_known, min(cursor + rows, self.capacity))
 

@@ -7,6 +7,10 @@ bit for bit. Declined values must reach the general path, which converts or rais
 
 from __future__ import annotations
 
+import re
+from functools import partial
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +31,12 @@ def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
     buf._core.append_one = lambda *args: False  # every append converts through to_leaves
     buf._core.append_many = lambda *args: False
     return buf
+
+
+def small_staging():
+    """Staging buffers of 3 rows, so that the tests reach the full-stager branches and
+    batches larger than a stager."""
+    return mock.patch("replaybuf.episodes._FLUSH_ROWS", 3)
 
 
 def fields_equal(a, b) -> bool:
@@ -63,6 +73,7 @@ def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
     rng = np.random.default_rng(seed)
     final = np.zeros(5, np.float32)
     with (
+        small_staging(),
         SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0) as fast,
         general_path_only(SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0)) as slow,
     ):
@@ -134,6 +145,7 @@ def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, m
     rng = np.random.default_rng(seed)
     final = np.zeros(5, np.float32)
     with (
+        small_staging(),
         SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0) as fast,
         general_path_only(SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0)) as slow,
     ):
@@ -250,6 +262,8 @@ def test_nested_fields_get_no_plan():
         (300, (), torch.uint8),  # out of range
         (-1, (), torch.uint8),
         (True, (), torch.float32),  # bool into a float field: the general path decides
+        (1e10, (), torch.float16),  # numpy would warn on the overflow: the general path
+        (torch.ones(3).to_sparse(), (3,), torch.float32),  # no numpy view: the general path
         (1, (), torch.float32),  # ints into floats: the general path checks exactness
         (np.float32(1.0), (), torch.float32),  # numpy scalars: the general path
         ([1.0, 2.0, 3.0], (3,), torch.float32),
@@ -279,8 +293,12 @@ def test_batched_appends_check_every_episode_id_as_single_appends_do():
         a, b = buf.start_episode(), buf.start_episode()
         buf.append_batch([a, b], *batch)
         before = buf.stats()
-        for ids in ([True, a], [a, 1.0], [a, 99]):  # True would hash like episode 1
-            with pytest.raises(EpisodeStateError, match=r"episode_id must be an int|unknown"):
+        for ids, message in (
+            ([True, a], "episode_id must be an int, got True"),  # True would hash like 1
+            ([a, 1.0], "episode_id must be an int, got 1.0"),
+            ([a, 99], "cannot append to episode 99: unknown episode id"),
+        ):
+            with pytest.raises(EpisodeStateError, match=re.escape(message)):
                 buf.append_batch(ids, *batch)
         buf.end_episode(b, "terminated", final_observation=np.zeros(3, np.float32))
         with pytest.raises(EpisodeStateError, match=f"cannot append to episode {b}: it has ended"):
@@ -288,3 +306,32 @@ def test_batched_appends_check_every_episode_id_as_single_appends_do():
         assert buf.stats()["steps"] == before["steps"]
         buf.append_batch([np.int64(a)], *(v[:1] for v in batch))  # numpy ids work as before
         assert buf.stats()["steps"] == before["steps"] + 1
+    with SyncEpisodeReplayBuffer(4, storage="tensor") as buf:  # an evicted id
+        old = buf.start_episode()
+        buf.append_batch([old], *(v[:1] for v in batch))
+        buf.end_episode(old, "terminated", final_observation=np.zeros(3, np.float32))
+        new = buf.start_episode()
+        for _ in range(4):
+            buf.append_batch([new], *(v[:1] for v in batch))
+        with pytest.raises(EpisodeStateError, match=f"cannot append to episode {old}: it was"):
+            buf.append_batch([new, old], *batch)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sparse_tensors_are_refused_by_name_and_change_nothing(batched):
+    """Tensor.numpy() raises TypeError for sparse tensors: the fast paths decline them and the
+    general path refuses them before it assigns rows."""
+    with SyncEpisodeReplayBuffer(16, storage="tensor") as buf:
+        a, b = buf.start_episode(), buf.start_episode()
+        buf.append_batch([a, b], torch.ones(2, 3), torch.zeros(2, dtype=torch.long), torch.ones(2))
+        before = buf.stats()
+        if batched:
+            sparse = torch.ones(2, 3).to_sparse()
+            call = partial(buf.append_batch, [a, b], sparse, torch.zeros(2, dtype=torch.long))
+            values: tuple = (torch.ones(2),)
+        else:
+            call = partial(buf.append_observation_action_reward, a, torch.ones(3).to_sparse())
+            values = (0, 1.0)
+        with pytest.raises(TypeError, match="field 'observation' expected a dense"):
+            call(*values)
+        assert buf.stats() == before

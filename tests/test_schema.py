@@ -267,6 +267,7 @@ FLAT_CASES = {
     "rows disagree": _with(_flat(), reward=torch.zeros(2)),
     "python number": _with(_flat(), reward=1.0),
     "meta tensor": _with(_flat(), obs=torch.zeros(3, 4, device="meta")),
+    "sparse tensor": _with(_flat(), reward=torch.ones(3).to_sparse()),  # not the first field
     "list value": _with(_flat(), obs=[[0.0] * 4] * 3),
     "string value": _with(_flat(), obs="abc"),
     "object array": _with(_flat(), obs=np.array([[None] * 4] * 3)),
