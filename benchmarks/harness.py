@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -68,10 +69,11 @@ def interleaved(
 
     One untimed call of each first (lazy allocation, first-touch page faults, caches). Going
     round-robin means a change of machine load hits every implementation alike, so the ratios
-    between them hold even when absolute times drift. The order rotates by one each repeat:
-    a workload timed right after another pays for the caches that one evicted (measured: ~15%
-    on a per-step insert timed after the floor's), so no implementation always follows the
-    same one.
+    between them hold even when absolute times drift. The order is shuffled each repeat (seeded,
+    so runs are repeatable): a workload timed right after another pays for what that one left
+    behind (measured: ~15% on a per-step insert always timed right after the floor's), so no
+    implementation always follows the same one. (Rotating the order would not do: it keeps
+    every workload's predecessor.)
     """
     for w in workloads.values():
         if w.is_async:
@@ -80,10 +82,11 @@ def interleaved(
         else:
             w.fn()
     names = list(workloads)
+    order = random.Random(0)
     runs: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(repeats):
-        turn = repeat % len(names)
-        for name in names[turn:] + names[:turn]:
+    for _ in range(repeats):
+        order.shuffle(names)
+        for name in names:
             w = workloads[name]
             runs[name].append(_timed(w, loop) / w.calls)
     return {name: timing(r, workloads[name].items) for name, r in runs.items()}
