@@ -147,14 +147,15 @@ class EpisodeReplayBuffer:
         and completes: under cancellation it either completed or never started, as before.
         """
         self._budget -= 1
+        result = _RETRY
         if self._budget > 0 and not self._lock.locked():
             try:
                 result = fn(*args)  # synchronous and atomic, as under the lock
             except RowsPinned:
-                pass  # refused before changing anything: wait in _call
-            else:
-                self._wake_waiters()
-                return result
+                result = _RETRY  # refused before changing anything: wait in _call
+        if result is not _RETRY:
+            self._wake_waiters()
+            return result
         self._budget = WRITE_BUDGET
         return await self._call(fn, *args)
 

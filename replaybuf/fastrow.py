@@ -64,6 +64,12 @@ class RowPlan:
                 return None
         return cls(spec, sources, arrays)
 
+    def _extras_fit(self, extras: Any) -> bool:
+        """Whether ``extras`` names exactly the spec's extras (None when it has none)."""
+        if extras is None:
+            return not self.extras
+        return type(extras) is dict and extras.keys() == self.extras
+
     def stage(self, at: int, step: tuple[Any, Any, Any, Any]) -> bool:
         """Write ``step`` (observation, action, reward, extras) into row ``at`` of the columns;
         False when a value needs the general path.
@@ -74,10 +80,7 @@ class RowPlan:
         inline and the rest go through :func:`fast_value`.
         """
         extras = step[3]
-        if extras is None:
-            if self.extras:
-                return False
-        elif type(extras) is not dict or extras.keys() != self.extras:
+        if not self._extras_fit(extras):
             return False
         for arg, name, shape, dtype, np_dtype, array, takes_float in self.fields:
             value = step[arg] if name is None else extras[name]
@@ -107,10 +110,7 @@ class RowPlan:
         anything else (lists, numbers, other dtypes) takes the general path.
         """
         extras = step[3]
-        if extras is None:
-            if self.extras:
-                return None
-        elif type(extras) is not dict or extras.keys() != self.extras:
+        if not self._extras_fit(extras):
             return None
         out = []
         for arg, name, shape, dtype, np_dtype, _, _ in self.fields:

@@ -46,6 +46,36 @@ def fields_equal(a, b) -> bool:
     return all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in keys)
 
 
+def same_outcome(fast, slow, method: str, *args) -> None:
+    """``method(*args)`` on both buffers: both store, or both refuse with the same message (an
+    episode longer than max_steps cannot be stored)."""
+    outcomes = []
+    for buf in (fast, slow):
+        try:
+            getattr(buf, method)(*args)
+            outcomes.append(None)
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+
+
+def assert_same_contents(fast, slow, last_id: int) -> None:
+    """Equal stats, episodes 0..last_id equal or evicted in both, and equal seeded samples."""
+    assert fast.stats() == slow.stats()
+    for e in range(last_id + 1):
+        try:
+            want = slow.get_episode(e)
+        except EpisodeStateError:
+            with pytest.raises(EpisodeStateError, match="evicted"):
+                fast.get_episode(e)
+            continue
+        assert fields_equal(fast.get_episode(e), want)
+    if len(slow):
+        a = fast.sample_n_step(16, n=2, gamma=0.9)
+        b = slow.sample_n_step(16, n=2, gamma=0.9)
+        assert fields_equal(a, b)
+
+
 def values_of(kind: str, rng: np.random.Generator):
     obs = rng.standard_normal(5).astype(np.float32)
     act = rng.integers(0, 4, ()).astype(np.int64)
@@ -91,29 +121,10 @@ def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
             values = values_of(kind, rng)
             if kind == "lists":
                 values = (np.asarray(values[0], np.float32), values[1], values[2])
-            refusals = []  # an episode longer than max_steps is refused alike by both paths
-            for buf in (fast, slow):
-                try:
-                    buf.append_observation_action_reward(ep, *values)
-                    refusals.append(None)
-                except ValueError as exc:
-                    refusals.append(str(exc))
-            assert refusals[0] == refusals[1]
+            same_outcome(fast, slow, "append_observation_action_reward", ep, *values)
         for buf in (fast, slow):
             buf.end_episode(ep, "truncated", final_observation=final)
-        assert fast.stats() == slow.stats()
-        for e in range(ep + 1):
-            try:
-                want = slow.get_episode(e)
-            except EpisodeStateError:
-                with pytest.raises(EpisodeStateError, match="evicted"):
-                    fast.get_episode(e)
-                continue
-            assert fields_equal(fast.get_episode(e), want)
-        if len(slow):
-            a = fast.sample_n_step(16, n=2, gamma=0.9)
-            b = slow.sample_n_step(16, n=2, gamma=0.9)
-            assert fields_equal(a, b)
+        assert_same_contents(fast, slow, ep)
 
 
 def batch_values_of(kind: str, rng: np.random.Generator, envs: int):
@@ -162,25 +173,8 @@ def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, m
                 assert slow.start_episode() == ids[0]
                 continue
             values = batch_values_of(kind, rng, envs)
-            refusals = []  # episodes longer than max_steps are refused alike by both paths
-            for buf in (fast, slow):
-                try:
-                    buf.append_batch(ids, *values)
-                    refusals.append(None)
-                except ValueError as exc:
-                    refusals.append(str(exc))
-            assert refusals[0] == refusals[1]
-        assert fast.stats() == slow.stats()
-        for e in range(max(ids) + 1):
-            try:
-                want = slow.get_episode(e)
-            except EpisodeStateError:
-                with pytest.raises(EpisodeStateError, match="evicted"):
-                    fast.get_episode(e)
-                continue
-            assert fields_equal(fast.get_episode(e), want)
-        if len(slow):
-            assert fields_equal(fast.sample_n_step(16, n=2), slow.sample_n_step(16, n=2))
+            same_outcome(fast, slow, "append_batch", ids, *values)
+        assert_same_contents(fast, slow, max(ids))
 
 
 def test_the_stored_row_is_a_copy_of_the_callers_array():
