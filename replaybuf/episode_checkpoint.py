@@ -76,7 +76,7 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
     core = buffer._core
     core.flush()
     episodes = list(core.episodes.values())
-    owned = [e.rows + ([e.final_row] if e.final_row is not None else []) for e in episodes]
+    owned = [[*e.rows, *([e.final_row] if e.final_row is not None else [])] for e in episodes]
     flat = [row for rows in owned for row in rows]
     high_water = max(flat) + 1 if flat else 0
     zero_step = [e for e in episodes if e.final_observation is not None]
@@ -382,7 +382,7 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
 
 def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:
     core = buffer._core
-    flat = saved.small["index/episode_rows"].tolist()
+    flat = array("q", saved.small["index/episode_rows"].to(torch.long).numpy().tobytes())
     obs_spec = _observation_spec(buffer) or saved.first_obs_spec
     at, zero = 0, 0
     for episode_id, agent, seq, end_kind, steps, has_final in saved.table:
@@ -394,7 +394,7 @@ def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Ch
         elif end_kind != END_NONE:
             episode.final_observation = _final_observation(checkpoint, zero, obs_spec)
             zero += 1
-        core.episodes[episode_id] = episode
+        core.register(episode)
         if end_kind != END_NONE:
             heapq.heappush(core.finished, (seq, episode_id))
 

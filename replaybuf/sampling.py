@@ -297,7 +297,7 @@ def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) ->
     stacking); ``action``, ``reward`` and extras hold T rows.
     """
     steps = episode.rows
-    obs_rows = steps + ([episode.final_row] if episode.final_row is not None else [])
+    obs_rows = [*steps, *([episode.final_row] if episode.final_row is not None else [])]
     spec = core.slots.spec
     out = TensorDict({}, batch_size=[], device=device)
     if spec is not None and obs_rows:

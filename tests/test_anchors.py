@@ -1,7 +1,10 @@
-"""AnchorSet: the packed set of sampling anchors stays consistent under adds and removes."""
+"""AnchorSet: the packed set of sampling anchors stays consistent under adds and removes, on
+either update path (numpy views on the host, torch as on CUDA)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,13 +29,19 @@ def assert_consistent(anchors: AnchorSet, model: set[int]) -> None:
     assert sorted(anchors.snapshot().tolist()) == sorted(model)
 
 
-def test_remove_fills_holes_from_the_tail():
-    anchors = AnchorSet(CAPACITY, torch.device("cpu"))
+@pytest.mark.parametrize("host", [True, False])
+def test_remove_fills_holes_from_the_tail(host):
+    anchors = AnchorSet(CAPACITY, torch.device("cpu"), host=host)
     anchors.add(torch.tensor([5, 6, 7, 8]))
     anchors.remove(torch.tensor([5, 8]))
     assert_consistent(anchors, {6, 7})
     anchors.remove(torch.tensor([6, 7]))
     assert_consistent(anchors, set())
+
+
+def as_rows(rows: list[int], numpy_rows: bool) -> torch.Tensor | np.ndarray:
+    """int64 rows as a numpy array or a tensor (the update methods take either)."""
+    return np.array(rows, dtype=np.int64) if numpy_rows else torch.tensor(rows, dtype=torch.long)
 
 
 ops = st.lists(
@@ -42,21 +51,25 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("host", [True, False])
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, seed=st.integers(0, 2**16))
-def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed):
-    anchors = AnchorSet(CAPACITY, torch.device("cpu"))
+@given(ops=ops, seed=st.integers(0, 2**16), numpy_rows=st.booleans())
+def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed, numpy_rows, host):
+    anchors = AnchorSet(CAPACITY, torch.device("cpu"), host=host)
     model: set[int] = set()
     generator = torch.Generator().manual_seed(seed)
     for is_add, rows in ops:
         if is_add:
             new = sorted(rows - model)
-            anchors.add(torch.tensor(new, dtype=torch.long))
+            anchors.add(as_rows(new, numpy_rows))
             model |= set(new)
-        else:
+        elif seed % 2:
             old = sorted(rows & model)
-            anchors.remove(torch.tensor(old, dtype=torch.long))
+            anchors.remove(as_rows(old, numpy_rows))
             model -= set(old)
+        else:  # rows in and out of the set
+            anchors.remove_present(as_rows(sorted(rows), numpy_rows))
+            model -= rows
         assert_consistent(anchors, model)
         if model:
             drawn = anchors.sample(8, generator).tolist()

@@ -1,0 +1,145 @@
+"""Row bookkeeping (links, owners, steps, allocations, anchors, free rows) agrees with the
+episode table after any mix of appends, batches, ends and evictions, whether the writes run
+in numpy on the host (CPU storage's path) or in torch (the path CUDA storage takes)."""
+
+from __future__ import annotations
+
+from functools import partial
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.anchors import AnchorSet
+from replaybuf.episodes import EpisodeCore, RowLinks
+from replaybuf.index import END_NONE
+
+COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
+
+
+def torch_writes():
+    """Episode cores built inside run their row bookkeeping in torch, as on CUDA."""
+    return mock.patch.multiple(
+        "replaybuf.episodes",
+        RowLinks=partial(RowLinks, host=False),
+        AnchorSet=partial(AnchorSet, host=False),
+    )
+
+
+def assert_bookkeeping(core: EpisodeCore) -> None:
+    """Every column, the anchor set and the free list, rebuilt the slow obvious way from the
+    episode table."""
+    core.flush()
+    capacity = core.slots.capacity
+    want = {
+        "next_row": [-1] * capacity,
+        "episode": [-1] * capacity,
+        "end_kind": [END_NONE] * capacity,
+        "prev_row": [-1] * capacity,
+    }
+    anchors, used = set(), []
+    for episode in core.episodes.values():
+        rows = [*episode.rows] + ([episode.final_row] if episode.final_row is not None else [])
+        used += rows
+        for i, row in enumerate(rows):
+            want["episode"][row] = episode.episode_id
+            assert int(core.links.step[row]) == i, "step"
+            if i + 1 < len(rows):
+                want["next_row"][row] = rows[i + 1]
+                want["prev_row"][rows[i + 1]] = row
+                anchors.add(row)
+        if episode.final_row is not None:
+            want["end_kind"][episode.final_row] = episode.end_kind
+    links = core.links
+    for name, values in want.items():
+        column = getattr(links, name)
+        if column is not None:
+            assert column.tolist() == values, name
+    succ = [n if n >= 0 else r for r, n in enumerate(want["next_row"])]
+    assert links.succ.tolist() == succ
+    assert len(set(used)) == len(used), "a row held twice"
+    assert sorted(used + list(core.free) + core.quarantine) == list(range(capacity))
+    allocations = links.alloc[torch.tensor(used, dtype=torch.long)].tolist() if used else []
+    assert len(set(allocations)) == len(allocations)
+    assert all(0 <= a < core.allocations for a in allocations)
+    assert sorted(core.anchors.snapshot().tolist()) == sorted(anchors)
+    assert core.valid_steps == len(anchors)
+    assert core.steps == sum(e.steps for e in core.episodes.values())
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "one", "batch", "end", "flush"]),
+        st.integers(0, 7),
+        st.integers(1, 5),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def run(ops_: list[tuple[str, int, int]], frame_stack: int | None) -> EpisodeCore:
+    """The ops on a small buffer (evicting), checking the bookkeeping after each flush."""
+    buf = SyncEpisodeReplayBuffer(12, 5, storage="tensor", seed=0, frame_stack=frame_stack)
+    running: list[int] = []
+    for step, (op, pick, width) in enumerate(ops_):
+        running = [i for i in running if i in buf._core.running]  # evictions end some
+        obs = np.full(3, step, dtype=np.float32)
+        try:
+            if op == "start" or not running:
+                running.append(buf.start_episode())
+            elif op == "one":
+                buf.append_observation_action_reward(running[pick % len(running)], obs, 0, 1.0)
+            elif op == "batch":
+                ids = running[: min(width, len(running))]
+                many, n = np.stack([obs] * len(ids)), len(ids)
+                buf.append_batch(ids, many, np.zeros(n, np.int64), np.ones(n, np.float32))
+            elif op == "end":
+                episode = running.pop(pick % len(running))
+                buf.end_episode(episode, "truncated" if pick % 2 else "terminated", obs)
+            else:
+                assert_bookkeeping(buf._core)
+        except ValueError:
+            pass  # more steps than fit (max_steps): refused, nothing changed
+    assert_bookkeeping(buf._core)
+    return buf._core
+
+
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@settings(max_examples=60, deadline=None)
+@given(ops_=ops)
+def test_host_and_torch_writes_keep_the_same_consistent_bookkeeping(ops_, frame_stack):
+    with mock.patch("replaybuf.episodes._FLUSH_ROWS", 3):
+        host = run(ops_, frame_stack)
+        with torch_writes():
+            slow = run(ops_, frame_stack)
+    assert host.links._host_writes
+    assert not slow.links._host_writes
+    for name in COLUMNS:
+        a, b = getattr(host.links, name), getattr(slow.links, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(host.anchors.snapshot(), slow.anchors.snapshot())
+    assert list(host.free) == list(slow.free)
+
+
+def test_a_batch_assigns_rows_as_single_appends_would():
+    """append_batch hands out the same rows, steps and allocations as one append per episode
+    in the same order."""
+    bufs = [SyncEpisodeReplayBuffer(40, 8, storage="tensor", seed=0) for _ in range(2)]
+    ids = [[buf.start_episode() for _ in range(4)] for buf in bufs]
+    for t in range(5):
+        obs = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) + t
+        bufs[0].append_batch(ids[0], obs, np.zeros(4, np.int64), np.ones(4, np.float32))
+        for i, episode in enumerate(ids[1]):
+            bufs[1].append_observation_action_reward(episode, obs[i], 0, 1.0)
+    for buf in bufs:
+        assert_bookkeeping(buf._core)
+    for name in COLUMNS[:-1]:
+        assert torch.equal(getattr(bufs[0]._core.links, name), getattr(bufs[1]._core.links, name))
+    assert [[*e.rows] for e in bufs[0]._core.episodes.values()] == [
+        [*e.rows] for e in bufs[1]._core.episodes.values()
+    ]
