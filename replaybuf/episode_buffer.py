@@ -226,12 +226,14 @@ class SyncEpisodeReplayBuffer:
         """One step for each of several episodes (a vectorized env); leading dim = episodes."""
         self._check_open()
         ids = list(episode_ids)
-        if not ids:
-            raise ValueError("episode_ids must name at least one episode, got none")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"episode_ids must be distinct, got {ids}")
         core = self._core
-        episodes = core.in_progress_all(ids, "append to")
+        episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
+        if episodes is None:
+            if not ids:
+                raise ValueError("episode_ids must name at least one episode, got none")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"episode_ids must be distinct, got {ids}")
+            episodes = core.in_progress_all(ids, "append to")
         if core.append_many(episodes, observations, actions, rewards, extras):
             return
         rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")

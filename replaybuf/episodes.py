@@ -314,6 +314,10 @@ class EpisodeCore:
         self.quarantine: list[int] = []
         self.episodes: dict[int, Episode] = {}  # insertion order = start order
         self.running: dict[int, Episode] = {}  # the episodes in progress (see :meth:`register`)
+        # The last append_batch's episodes (see _BatchRun), and a count bumped whenever an
+        # episode in progress ends or goes, which invalidates it.
+        self._run: _BatchRun | None = None
+        self._epoch = 0
         self.finished: list[tuple[int, int]] = []  # heap of (seq, episode_id)
         self.next_id = 0
         self.next_seq = 0
@@ -525,7 +529,8 @@ class EpisodeCore:
         self.steps -= episode.steps
         self.valid_steps -= episode.valid_steps
         del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
-        self.running.pop(episode.episode_id, None)
+        if self.running.pop(episode.episode_id, None) is not None:
+            self._epoch += 1
 
     def pin(self) -> None:
         """Start a snapshot: from now on no row in use is handed out again until :meth:`unpin`."""
@@ -641,26 +646,50 @@ class EpisodeCore:
         rows = free[cut:]
         rows.reverse()  # the order count pops would hand them out in
         del free[cut:]
-        # Lists from C-level maps, then array.fromlist: array("q", map(...)) costs twice that.
-        owns = list(map(_ROWS, episodes))
-        steps = list(map(len, owns))
         self._pack_staged()  # staged bookkeeping stays in staging order
-        packed = self._packed
-        packed.add_rows(rows, list(map(_EPISODE_ID, episodes)), steps, self.allocations)
-        if all(steps):  # every episode has a step to link from (all but their first calls)
-            packed.sources.fromlist(list(map(_LAST, owns)))
+        packed, run = self._packed, self._run
+        if run is not None and episodes is run.episodes and run.allocations == self.allocations:
+            # The same episodes as the last batch, and no row handed out since: every one has
+            # a previous step (that batch's row), and the run knows their ids and steps.
+            packed.add_rows(rows, run.ids, run.steps, self.allocations)
+            packed.sources.extend(run.last)
             packed.targets.extend(rows)
-            linked = count
+            owns, linked = run.owns, count
         else:
-            had = [(own[-1], row) for own, row in zip(owns, rows, strict=True) if own]
-            packed.sources.fromlist([source for source, _ in had])
-            packed.targets.fromlist([target for _, target in had])
-            linked = len(had)
+            # Lists from C-level maps, then array.fromlist: array("q", map(...)) costs twice that.
+            owns = list(map(_ROWS, episodes))
+            steps = array("q", list(map(len, owns)))
+            run = _BatchRun(episodes, owns, array("q", list(map(_EPISODE_ID, episodes))), steps)
+            packed.add_rows(rows, run.ids, steps, self.allocations)
+            if all(steps):  # every episode has a step to link from (all but their first calls)
+                packed.sources.fromlist(list(map(_LAST, owns)))
+                packed.targets.extend(rows)
+                linked = count
+            else:
+                had = [(own[-1], row) for own, row in zip(owns, rows, strict=True) if own]
+                packed.sources.fromlist([source for source, _ in had])
+                packed.targets.fromlist([target for _, target in had])
+                linked = len(had)
+            self._run = run
         deque(map(array.append, owns, rows), maxlen=0)  # each episode's new row, in C
         self.allocations += count
         self.steps += count
         self.valid_steps += linked
+        run.advance(rows, self.allocations, self._epoch)
         return rows
+
+    def repeat_batch(self, episode_ids: list[Any]) -> list[Episode] | None:
+        """The episodes of the last ``append_batch`` if ``episode_ids`` names them again (plain
+        ints, same order) and none has ended or been evicted since; else None (check them)."""
+        run = self._run
+        if (
+            run is not None
+            and run.epoch == self._epoch
+            and episode_ids == run.episode_ids
+            and set(map(type, episode_ids)) == {int}  # True == 1 and 1.0 == 1: not ids
+        ):
+            return run.episodes
+        return None
 
     def in_progress_all(self, episode_ids: list[Any], action: str) -> list[Episode]:
         """:meth:`in_progress` for several ids (the precise error for the first bad one)."""
@@ -695,6 +724,7 @@ class EpisodeCore:
                 self._first_obs_spec = FieldSpec.of(final, 0)
         episode.end_kind = end_kind
         del self.running[episode.episode_id]
+        self._epoch += 1
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
 
     def _allocate(self) -> int:
@@ -785,6 +815,24 @@ class EpisodeCore:
 _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
 
 
+class _BatchRun:
+    """What the last ``append_batch`` knows of its episodes, so that the next batch of the
+    same episodes (a vectorized env between resets) skips the per-episode lookups: their ids,
+    row arrays, step counts and last rows. Valid while ``allocations`` matches the core's
+    (no row handed out since) and ``epoch`` does (none of them ended or went)."""
+
+    def __init__(self, episodes: list[Episode], owns: list[array], ids: array, steps: array):
+        self.episodes, self.owns, self.ids, self.steps = episodes, owns, ids, steps
+        self.episode_ids = ids.tolist()
+        self.last = array("q")
+        self.allocations = self.epoch = -1
+
+    def advance(self, rows: array, allocations: int, epoch: int) -> None:
+        """After a batch appended ``rows``: one step more each, as of the core's counts."""
+        np.frombuffer(self.steps, np.int64)[:] += 1
+        self.last, self.allocations, self.epoch = rows, allocations, epoch
+
+
 class _Packed:
     """Staged bookkeeping as int64 columns, from the per-step lists or whole batches."""
 
@@ -794,12 +842,12 @@ class _Packed:
         self.ends, self.allocations = array("q"), array("q")
         self.sources, self.targets = array("q"), array("q")  # links: row -> next row
 
-    def add_rows(self, rows: array, episodes: list[int], steps: list[int], allocation: int) -> None:
+    def add_rows(self, rows: array, episodes: array, steps: array, allocation: int) -> None:
         """New rows of episodes in progress, allocated in order from ``allocation``."""
         count = len(rows)
         self.rows.extend(rows)
-        self.episodes.fromlist(episodes)
-        self.steps.fromlist(steps)
+        self.episodes.extend(episodes)
+        self.steps.extend(steps)
         self.ends.frombytes(bytes(8 * count))  # END_NONE
         self.allocations.frombytes(np.arange(allocation, allocation + count).tobytes())
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
 from replaybuf.anchors import AnchorSet
 from replaybuf.episodes import EpisodeCore, RowLinks
 from replaybuf.index import END_NONE
@@ -143,3 +143,59 @@ def test_a_batch_assigns_rows_as_single_appends_would():
     assert [[*e.rows] for e in bufs[0]._core.episodes.values()] == [
         [*e.rows] for e in bufs[1]._core.episodes.values()
     ]
+
+
+def batch(buf: SyncEpisodeReplayBuffer, ids: list, t: float = 0.0) -> None:
+    n = len(ids)
+    obs = np.full((n, 3), t, dtype=np.float32)
+    buf.append_batch(ids, obs, np.zeros(n, np.int64), np.ones(n, np.float32))
+
+
+def evict(buf: SyncEpisodeReplayBuffer, episode_id: int) -> None:
+    """Evict an episode in progress, as make_room does (after a flush)."""
+    core = buf._core
+    core.flush()
+    core.remove_episode(core.episodes[episode_id])
+
+
+@pytest.mark.parametrize(
+    ("between", "message"),
+    [
+        (lambda buf, ids: buf.end_episode(ids[1], "terminated", np.zeros(3, np.float32)), "ended"),
+        (lambda buf, ids: evict(buf, ids[1]), "evicted"),
+        (lambda buf, ids: ids.__setitem__(1, True), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, float(ids[1])), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, ids[0]), "distinct"),
+    ],
+)
+def test_a_repeated_batch_is_checked_again_after_anything_that_changes_its_episodes(
+    between, message
+):
+    """The second call names the first call's episodes (the cached run) after a change that
+    makes one of them invalid: it gets the same error as any other batch."""
+    with SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf:
+        ids = [buf.start_episode() for _ in range(3)]
+        batch(buf, ids)
+        batch(buf, ids)
+        between(buf, ids)
+        before = (buf._core.steps, len(buf))
+        with pytest.raises((EpisodeStateError, ValueError), match=message):
+            batch(buf, ids)
+        assert (buf._core.steps, len(buf)) == before
+        assert_bookkeeping(buf._core)
+
+
+def test_a_repeated_batch_after_single_appends_links_each_episode_to_its_latest_row():
+    with SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf:
+        ids = [buf.start_episode() for _ in range(3)]
+        batch(buf, ids, 0)
+        batch(buf, ids, 1)
+        buf.append_observation_action_reward(ids[2], np.full(3, 9, np.float32), 0, 1.0)
+        batch(buf, ids, 2)  # not the cached run any more: rows and steps are read again
+        batch(buf, np.array(ids), 3)  # numpy ids: checked, accepted
+        batch(buf, ids, 4)
+        assert_bookkeeping(buf._core)
+        lengths = [int(buf.get_episode(i)["length"]) for i in ids]
+        assert lengths == [5, 5, 6]
+        observed = buf.get_episode(ids[2])["observation"][:, 0].tolist()
+        assert observed == [0, 1, 9, 2, 3, 4]
