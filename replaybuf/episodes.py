@@ -126,10 +126,10 @@ class HostLinks(NamedTuple):
 class RowLinks:
     """Per-row bookkeeping on the storing device: links, owners, steps and end kinds.
 
-    The writes (:meth:`place`, :meth:`connect`, :meth:`release`) take int64 numpy arrays
-    built on the host from staged bookkeeping. On the CPU they run on numpy views of the
-    columns (``host``): a numpy fancy index costs ~0.8 µs against torch's ~5 µs, and a flush
-    makes a dozen; elsewhere they move the arrays to the device once and run in torch.
+    The writes (:meth:`place` and :meth:`connect`, from int64 numpy arrays of staged
+    bookkeeping; :meth:`release`, from rows on the storing device) run on numpy views of the
+    columns (``host``) on the CPU: a numpy fancy index costs ~0.8 µs against torch's ~5 µs,
+    and a flush makes a dozen. Elsewhere they run in torch, one copy to the device per call.
     """
 
     def __init__(
