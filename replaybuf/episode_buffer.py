@@ -253,13 +253,16 @@ class SyncEpisodeReplayBuffer:
             raise ValueError(
                 f"status must be 'terminated', 'truncated' or 'COMPLETED', got {status!r}"
             )
-        episode = self._core.in_progress(episode_id, "end")
+        core = self._core
+        episode = core.in_progress(episode_id, "end")
         if final_observation is None:
             raise ValueError(
                 f"end_episode: final_observation is required (episode {episode_id}), got None"
             )
-        final = self._core.final_row_data(final_observation, "end_episode")
-        self._core.end(episode, STATUSES[status.lower()], final)
+        end_kind = STATUSES[status.lower()]
+        if core.end_one(episode, end_kind, final_observation):
+            return
+        core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
 
     # ----------------------------------------------------------------- sampling
     def _require_steps(self, what: str) -> None:

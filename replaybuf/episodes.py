@@ -579,16 +579,19 @@ class EpisodeCore:
             return False
         step = (observation, action, reward, extras)
         cap = self.max_episodes
-        if self.steps >= self.max_steps or not self.free or (cap and len(self.episodes) > cap):
-            # Eviction flushes the staged rows: the step is checked in the spare row first.
+        evict = self.steps >= self.max_steps or not self.free or (cap and len(self.episodes) > cap)
+        if evict or len(stager.rows) >= stager.capacity:
+            # Evicting or writing a full stager changes storage: the step is checked in the
+            # spare row first, so that a declined value still leaves everything as it was.
             if not plan.stage(stager.capacity, step):
                 return False
-            self.make_room(1, 1, 0, {episode.episode_id})  # may refuse: nothing changed then
-            # make_room evicted, so it flushed: the stager is empty.
+            if evict:
+                self.make_room(1, 1, 0, {episode.episode_id})  # may refuse: nothing changed
+            else:
+                self._write_staged()
+            # make_room evicted, so it flushed: either way the stager is empty.
             stager.stage_spare(self._assign_row(episode), plan.arrays)
             return True
-        if len(stager.rows) >= stager.capacity:
-            self._write_staged()
         # The step goes straight into the next staging row, which only counts once its storage
         # row is assigned below: a declined value leaves nothing.
         if not plan.stage(len(stager.rows), step):
@@ -605,7 +608,7 @@ class EpisodeCore:
         """
         plan, stager = self._plan, self._stager
         count = len(episodes)
-        if plan is None or stager is None or count > stager.capacity:
+        if plan is None or stager is None:
             return False
         values = plan.batch_values(count, (observations, actions, rewards, extras))
         if values is None:
@@ -617,12 +620,26 @@ class EpisodeCore:
             or (cap and len(self.episodes) > cap)
         ):
             self.make_room(count, count, 0, {e.episode_id for e in episodes})  # may refuse
-        if not stager.fits(count):
-            self._write_staged()
-        at = len(stager.rows)
-        for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan: same length)
-            column[at : at + count] = value
-        stager.rows.extend(self._assign_rows(episodes))
+        # Nothing can refuse from here on (the values were checked, the rows are free).
+        rows = self._assign_rows(episodes)
+        if count <= stager.capacity:
+            if not stager.fits(count):
+                self._write_staged()
+            at = len(stager.rows)
+            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
+                column[at : at + count] = value
+            stager.rows.extend(rows)
+            return True
+        # More environments than a stager holds (thousands, from EnvPool say): through it in
+        # parts. No flush can come in between, so every assigned row is staged before one.
+        for begin in range(0, count, stager.capacity):
+            end = min(begin + stager.capacity, count)
+            if not stager.fits(end - begin):
+                self._write_staged()
+            at = len(stager.rows)
+            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
+                column[at : at + end - begin] = value[begin:end]
+            stager.rows.extend(rows[begin:end])
         return True
 
     def _assign_row(self, episode: Episode) -> int:
@@ -705,16 +722,7 @@ class EpisodeCore:
         """Record the end of an episode with its final observation row."""
         if episode.rows:
             self.make_room(0, 1, 0, {episode.episode_id})
-            row = self.free.pop()
-            self._staged_meta += (
-                row,
-                episode.episode_id,
-                episode.steps,
-                end_kind,
-                self._allocate(),
-            )
-            self._link(episode.rows[-1], row)
-            episode.final_row = row
+            row = self._final_row(episode, end_kind)
             self._stage([row], {key: value.unsqueeze(0) for key, value in final.items()})
         else:
             # A copy: the caller may reuse its arrays.
@@ -722,6 +730,44 @@ class EpisodeCore:
             episode.final_observation = TensorDict(nest(copies), batch_size=[])
             if self.slots.spec is None and self._first_obs_spec is None:
                 self._first_obs_spec = FieldSpec.of(final, 0)
+        self._finish(episode, end_kind)
+
+    def end_one(self, episode: Episode, end_kind: int, observation: Any) -> bool:
+        """:meth:`end` through the fast path: a final observation of the field's exact shape
+        and dtype goes straight into the next staging row (zeros in the other fields).
+
+        Returns False, having changed nothing, when it does not apply (then use
+        :meth:`final_row_data` and :meth:`end`, which convert or raise).
+        """
+        plan, stager = self._plan, self._stager
+        if plan is None or stager is None or not episode.rows:
+            return False
+        cap = self.max_episodes
+        evict = self.steps > self.max_steps or not self.free or (cap and len(self.episodes) > cap)
+        if evict or len(stager.rows) >= stager.capacity:  # as append_one: the spare row first
+            if not plan.stage_final(stager.capacity, observation):
+                return False
+            if evict:
+                self.make_room(0, 1, 0, {episode.episode_id})  # may refuse: nothing changed
+            else:
+                self._write_staged()
+            stager.stage_spare(self._final_row(episode, end_kind), plan.arrays)
+        else:
+            if not plan.stage_final(len(stager.rows), observation):
+                return False
+            stager.rows.append(self._final_row(episode, end_kind))
+        self._finish(episode, end_kind)
+        return True
+
+    def _final_row(self, episode: Episode, end_kind: int) -> int:
+        """A free row for ``episode``'s final observation, linked after its last step."""
+        row = self.free.pop()
+        self._staged_meta += (row, episode.episode_id, episode.steps, end_kind, self._allocate())
+        self._link(episode.rows[-1], row)
+        episode.final_row = row
+        return row
+
+    def _finish(self, episode: Episode, end_kind: int) -> None:
         episode.end_kind = end_kind
         del self.running[episode.episode_id]
         self._epoch += 1

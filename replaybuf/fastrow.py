@@ -102,6 +102,19 @@ class RowPlan:
             array[at] = value
         return True
 
+    def stage_final(self, at: int, observation: Any) -> bool:
+        """Write an episode's final observation into row ``at`` and zeros into the row's other
+        fields (as :meth:`stage`: False, with row ``at`` not staged, when it does not fit)."""
+        for arg, _, shape, dtype, np_dtype, array, _ in self.fields:
+            if arg != 0:
+                array[at] = 0
+                continue
+            value = fast_value(observation, shape, dtype, np_dtype)
+            if value is None:
+                return False
+            array[at] = value
+        return True
+
     def batch_values(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
         """``step``'s values for ``count`` episodes (each ``[count, *shape]``, numpy arrays or
         CPU tensors of the exact dtype) as numpy arrays in column order, or None.

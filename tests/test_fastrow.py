@@ -30,6 +30,7 @@ def spec_of(leaves: dict) -> FieldSpec:
 def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
     buf._core.append_one = lambda *args: False  # every append converts through to_leaves
     buf._core.append_many = lambda *args: False
+    buf._core.end_one = lambda *args: False  # final observations too
     return buf
 
 
@@ -60,8 +61,22 @@ def same_outcome(fast, slow, method: str, *args) -> None:
 
 
 def assert_same_contents(fast, slow, last_id: int) -> None:
-    """Equal stats, episodes 0..last_id equal or evicted in both, and equal seeded samples."""
+    """Equal stats, episodes 0..last_id equal or evicted in both, equal seeded samples, and
+    the same bits in every stored row (final rows' zero-filled fields too, which no read
+    returns but checkpoints keep)."""
     assert fast.stats() == slow.stats()
+    held = []
+    for buf in (fast, slow):
+        buf._core.flush()
+        episodes = buf._core.episodes.values()
+        held.append(
+            [[*e.rows, *([e.final_row] if e.final_row is not None else [])] for e in episodes]
+        )
+    assert held[0] == held[1]
+    rows = torch.tensor([row for rows in held[1] for row in rows], dtype=torch.long)
+    for key in slow.spec or {}:
+        a, b = fast._core.slots.column(key)[rows], slow._core.slots.column(key)[rows]
+        assert torch.equal(a, b), key
     for e in range(last_id + 1):
         try:
             want = slow.get_episode(e)
@@ -74,6 +89,21 @@ def assert_same_contents(fast, slow, last_id: int) -> None:
         a = fast.sample_n_step(16, n=2, gamma=0.9)
         b = slow.sample_n_step(16, n=2, gamma=0.9)
         assert fields_equal(a, b)
+
+
+def final_of(kind: str, rng: np.random.Generator):
+    """A final observation (obs f32[5]) as the fast path takes it (numpy, a tensor) or not (a
+    tensor that requires grad, float64: the general path detaches or refuses those)."""
+    obs = rng.standard_normal(5).astype(np.float32)
+    return {
+        "numpy": obs,
+        "torch": torch.from_numpy(obs),
+        "grad": torch.from_numpy(obs).requires_grad_(),
+        "float64": obs.astype(np.float64),
+    }[kind]
+
+
+FINAL_KINDS = ["numpy", "torch", "grad", "float64"]
 
 
 def values_of(kind: str, rng: np.random.Generator):
@@ -113,8 +143,8 @@ def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
             buf.append_observation_action_reward(ep, *first)
         for kind in kinds:
             if kind == "end":
-                for buf in (fast, slow):
-                    buf.end_episode(ep, "truncated", final_observation=final)
+                last = final_of(FINAL_KINDS[int(rng.integers(len(FINAL_KINDS)))], rng)
+                same_outcome(fast, slow, "end_episode", ep, "truncated", last)
                 ep = fast.start_episode()
                 assert slow.start_episode() == ep
                 continue
@@ -154,7 +184,6 @@ def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, m
     """append_batch's fast path (values sliced into the staging columns, rows assigned in one
     loop), including batches that evict first, against the general path."""
     rng = np.random.default_rng(seed)
-    final = np.zeros(5, np.float32)
     with (
         small_staging(),
         SyncEpisodeReplayBuffer(max_steps, storage="tensor", seed=0) as fast,
@@ -167,8 +196,8 @@ def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, m
             buf.append_batch(ids, *first)
         for kind in kinds:
             if kind == "end":  # the first env's episode ends; a new one takes its place
-                for buf in (fast, slow):
-                    buf.end_episode(ids[0], "terminated", final_observation=final)
+                last = final_of(FINAL_KINDS[int(rng.integers(len(FINAL_KINDS)))], rng)
+                same_outcome(fast, slow, "end_episode", ids[0], "terminated", last)
                 ids[0] = fast.start_episode()
                 assert slow.start_episode() == ids[0]
                 continue
