@@ -821,8 +821,9 @@ class EpisodeCore:
 
     def _write_staged(self) -> None:
         if self._stager is not None and len(self._stager):
+            last = self._stager.rows[-1]
             slots, values = self._stager.drain()
-            self.slots.write_rows(slots, self._stager.keys, values)
+            self.slots.write_rows(slots, self._stager.keys, values, last)
         self._pack_staged()
 
     def _pack_staged(self) -> None:

@@ -285,6 +285,9 @@ def test_direct_row_writes_land_in_torchrl_storage_with_its_bookkeeping(tmp_path
         assert len(buf.memory.storage) == 7  # 6 step rows + the final one, as set() counts
         revision = buf.memory.storage._mutation_revision_value
         assert (revision.value if hasattr(revision, "value") else int(revision)) > before
+        # The last written slot, as TorchRL's readers (HER, checkpointers) take it.
+        assert buf.memory.storage._last_cursor_index == record.final_row
+        assert buf.memory.storage._last_cursor == record.final_row
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
