@@ -93,7 +93,10 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
         tensors[PRIORITY] = core.priorities.tree.weights()
     if spec is not None:
         for key, name in row_tensor_names(spec).items():
-            tensors[name] = core.slots.column(key)[:high_water]  # a view, streamed later
+            if high_water:
+                tensors[name] = core.slots.column(key)[:high_water]  # a view, streamed later
+            else:  # no row stored (a restore of one then allocated no storage): none to save
+                tensors[name] = torch.empty((0, *spec[key].shape), dtype=spec[key].dtype)
     obs_spec = _observation_spec(buffer)
     for j, episode in enumerate(zero_step):
         for i, key in enumerate(obs_spec or {}):
@@ -309,8 +312,9 @@ def _check_links(saved: Saved, rows: int, where: str) -> None:
         raise CorruptCheckpointError(
             f"{where}: index/episode_rows does not match the episode table"
         )
+    repeats = torch.tensor(counts, dtype=torch.long)  # long for an empty table too, not float
     ids = torch.repeat_interleave(
-        torch.tensor([e[0] for e in saved.table], dtype=torch.long), torch.tensor(counts)
+        torch.tensor([e[0] for e in saved.table], dtype=torch.long), repeats
     )
     local = (
         torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
@@ -318,10 +322,10 @@ def _check_links(saved: Saved, rows: int, where: str) -> None:
     last = torch.cat([torch.arange(c) == c - 1 for c in counts]) if counts else local.bool()
     expected_next = torch.where(last, -1, torch.roll(flat, -1))
     in_progress = torch.repeat_interleave(
-        torch.tensor([e[3] == END_NONE for e in saved.table]), torch.tensor(counts)
+        torch.tensor([e[3] == END_NONE for e in saved.table], dtype=torch.bool), repeats
     )
     kinds = torch.repeat_interleave(
-        torch.tensor([e[3] for e in saved.table], dtype=torch.int8), torch.tensor(counts)
+        torch.tensor([e[3] for e in saved.table], dtype=torch.int8), repeats
     )
     ok = (
         torch.equal(owner[flat], ids)

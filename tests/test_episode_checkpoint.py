@@ -103,6 +103,47 @@ def test_save_load_save_gives_identical_checksums(tmp_path: Path) -> None:
     assert digests[0] == digests[1]
 
 
+def empty_new(buf: SyncEpisodeReplayBuffer) -> None:
+    """Nothing stored yet: no spec, no episode."""
+
+
+def cleared(buf: SyncEpisodeReplayBuffer) -> None:
+    """A spec, rows allocated, and no episode left."""
+    fill(buf)
+    buf.clear()
+
+
+def zero_step_only(buf: SyncEpisodeReplayBuffer) -> None:
+    """A spec, and only an episode that ended with no step: no row holds anything."""
+    e = buf.start_episode()
+    buf.append_observation_action_reward(e, obs(e, 0), action(e, 0), 1.0, extras(0))
+    buf.end_episode(e, "terminated", final_observation=final_obs(e, 1))
+    empty = buf.start_episode()
+    buf.end_episode(empty, "truncated", final_observation=final_obs(empty, 0))
+    buf._core.flush()
+    buf._core.remove_episode(buf._core.episodes[e])  # as an eviction would
+
+
+@pytest.mark.parametrize("layout", [empty_new, cleared, zero_step_only])
+def test_buffers_holding_no_rows_save_load_and_save_again(tmp_path: Path, layout) -> None:
+    """Saving, loading, saving the loaded buffer again, then appending: with no stored rows
+    (the restore then allocates no storage) every step still works."""
+    with SyncEpisodeReplayBuffer(30, seed=3, scratch_dir=tmp_path) as buf:
+        layout(buf)
+        buf.save_checkpoint(tmp_path / "a")
+        with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "a", scratch_dir=tmp_path) as back:
+            same_contents(buf, back)
+            back.save_checkpoint(tmp_path / "b")
+            for b in (buf, back):
+                e = b.start_episode()
+                for t in range(3):
+                    b.append_observation_action_reward(e, obs(e, t), action(e, t), 1.0, extras(t))
+                b.end_episode(e, "terminated", final_observation=final_obs(e, 3))
+            same_contents(buf, back)
+        with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "b", scratch_dir=tmp_path) as again:
+            assert again.stats()["episodes"] == buf.stats()["episodes"] - 1
+
+
 @pytest.mark.asyncio
 async def test_open_creates_then_loads_and_saves_to_its_home(tmp_path: Path) -> None:
     home = tmp_path / "home"
