@@ -26,9 +26,13 @@ class AnchorSet:
         self.pos = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self.count = 0
         # numpy views of rows and pos for the updates (None: torch on the storing device);
-        # ``host`` defaults to whether the set lives on the CPU.
+        # ``host`` defaults to whether the set lives on the CPU (False there: torch's path).
+        if host is None:
+            host = device.type == "cpu"
+        if host and device.type != "cpu":
+            raise ValueError(f"host=True needs the set on the CPU, got device {device}")
         self._host: tuple[np.ndarray, np.ndarray] | None = None
-        if device.type == "cpu" if host is None else host:
+        if host:
             self._host = (self.rows.numpy(), self.pos.numpy())
 
     def __len__(self) -> int:

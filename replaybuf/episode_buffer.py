@@ -231,9 +231,9 @@ class SyncEpisodeReplayBuffer:
         if episodes is None:
             if not ids:
                 raise ValueError("episode_ids must name at least one episode, got none")
-            if len(set(ids)) != len(ids):
+            episodes = core.in_progress_all(ids, "append to")  # names a bad id (an array...)
+            if len(set(map(id, episodes))) != len(ids):
                 raise ValueError(f"episode_ids must be distinct, got {ids}")
-            episodes = core.in_progress_all(ids, "append to")
         if core.append_many(episodes, observations, actions, rewards, extras):
             return
         rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")

@@ -24,7 +24,7 @@ import heapq
 import tempfile
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -202,8 +202,9 @@ class RowLinks:
         if self.prev_row is not None:
             self.prev_row[r] = -1
 
-    def connect(self, sources: np.ndarray, targets: np.ndarray) -> None:
-        """Link each of ``sources`` to the row in ``targets`` that follows it."""
+    def connect(self, sources: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+        """Link each of ``sources`` to the row in ``targets`` that follows it; returns
+        ``sources`` on the storing device (a new tensor: the caller's next use is there)."""
         self.version += 1
         h = self.host
         if self._host_writes and h is not None:
@@ -211,12 +212,13 @@ class RowLinks:
             h.succ[sources] = targets
             if h.prev_row is not None:
                 h.prev_row[targets] = sources
-            return
+            return torch.from_numpy(sources.copy())
         source, target = _on(self.succ.device, sources, targets)
         self.next_row[source] = target
         self.succ[source] = target
         if self.prev_row is not None:
             self.prev_row[target] = source
+        return source
 
     def release(self, released: torch.Tensor) -> None:
         """Free rows (int64, on the storing device): no episode, successor, predecessor or end
@@ -314,10 +316,9 @@ class EpisodeCore:
         self.quarantine: list[int] = []
         self.episodes: dict[int, Episode] = {}  # insertion order = start order
         self.running: dict[int, Episode] = {}  # the episodes in progress (see :meth:`register`)
-        # The last append_batch's episodes (see _BatchRun), and a count bumped whenever an
-        # episode in progress ends or goes, which invalidates it.
+        # The last append_batch's episodes (see _BatchRun); dropped whenever an episode in
+        # progress ends or goes.
         self._run: _BatchRun | None = None
-        self._epoch = 0
         self.finished: list[tuple[int, int]] = []  # heap of (seq, episode_id)
         self.next_id = 0
         self.next_seq = 0
@@ -327,10 +328,9 @@ class EpisodeCore:
         self._stager: RowStager | None = None  # created once the spec is known
         self._plan: RowPlan | None = None  # the per-step fast path, with the stager
         # Bookkeeping staged with the rows: appended per step to flat lists (``list += tuple``
-        # costs a fifth of ``array.extend``), packed into int64 arrays whenever the staged rows
+        # costs a fifth of ``array.extend``), packed into int64 columns whenever the staged rows
         # are written (so at most a staging buffer's worth is ever held as Python ints); flush
-        # turns each array into a tensor with one torch.frombuffer (torch.tensor of a list
-        # costs ~0.4 µs an int, more than the rows' own copy).
+        # reads each column as a numpy array through its buffer (no per-int conversion).
         self._staged_meta: list[int] = []  # 5 per row: row, episode, step, end kind, allocation
         self._staged_links: list[int] = []  # 2 per link: row, next row
         # The packed form, one int64 array per column (append_batch extends them whole).
@@ -530,7 +530,7 @@ class EpisodeCore:
         self.valid_steps -= episode.valid_steps
         del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
         if self.running.pop(episode.episode_id, None) is not None:
-            self._epoch += 1
+            self._run = None
 
     def pin(self) -> None:
         """Start a snapshot: from now on no row in use is handed out again until :meth:`unpin`."""
@@ -692,7 +692,7 @@ class EpisodeCore:
         self.allocations += count
         self.steps += count
         self.valid_steps += linked
-        run.advance(rows, self.allocations, self._epoch)
+        run.advance(rows, self.allocations)
         return rows
 
     def repeat_batch(self, episode_ids: list[Any]) -> list[Episode] | None:
@@ -701,9 +701,9 @@ class EpisodeCore:
         run = self._run
         if (
             run is not None
-            and run.epoch == self._epoch
+            # Plain ints first: True == 1 and 1.0 == 1, and comparing arrays raises.
+            and set(map(type, episode_ids)) == {int}
             and episode_ids == run.episode_ids
-            and set(map(type, episode_ids)) == {int}  # True == 1 and 1.0 == 1: not ids
         ):
             return run.episodes
         return None
@@ -712,9 +712,10 @@ class EpisodeCore:
         """:meth:`in_progress` for several ids (the precise error for the first bad one)."""
         # The common case, plain ints of episodes in progress, in C-level passes (one call
         # per episode of every append_batch); anything else gets in_progress's checks.
-        found = list(map(self.running.get, episode_ids))
-        if all(found) and set(map(type, episode_ids)) == {int}:  # a bool finds episode 0 or 1
-            return found  # no None: an Episode is always true
+        if set(map(type, episode_ids)) == {int}:  # a bool would find episode 0 or 1
+            found = list(map(self.running.get, episode_ids))
+            if all(found):  # no None: an Episode is always true
+                return found
         in_progress = self.in_progress
         return [in_progress(episode_id, action) for episode_id in episode_ids]
 
@@ -770,7 +771,7 @@ class EpisodeCore:
     def _finish(self, episode: Episode, end_kind: int) -> None:
         episode.end_kind = end_kind
         del self.running[episode.episode_id]
-        self._epoch += 1
+        self._run = None
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
 
     def _allocate(self) -> int:
@@ -803,7 +804,7 @@ class EpisodeCore:
         self._staged_links += (row, next_row)
         self.valid_steps += 1
 
-    def _stage(self, rows: list[int], data: dict[Key, torch.Tensor]) -> None:
+    def _stage(self, rows: Sequence[int], data: dict[Key, torch.Tensor]) -> None:
         if self._stager is None:
             self._stager = RowStager(self.slots.spec, _FLUSH_ROWS)
             self._plan = RowPlan.of(self.slots.spec, self._stager.arrays)
@@ -841,16 +842,13 @@ class EpisodeCore:
         packed = self._packed
         if not packed.rows:
             return
-        self._packed = _Packed()
         self.links.place(*packed.meta())
         if packed.sources:
-            sources, targets = packed.links()
-            self.links.connect(sources, targets)
-            # One copy of the new anchors on the storing device, for the set and the tree.
-            starts = torch.from_numpy(sources).to(self.slots.storing_device, copy=True)
+            starts = self.links.connect(*packed.links())
             self.anchors.add(starts)
             if self.priorities is not None:  # new steps enter at the current maximum
                 self.priorities.admit(starts)
+        self._packed = _Packed()  # only now: a failed write above keeps what it was to apply
 
     def clear(self) -> None:
         """Drop every episode (ids keep counting up, so old ids stay invalid)."""
@@ -865,19 +863,20 @@ _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemge
 class _BatchRun:
     """What the last ``append_batch`` knows of its episodes, so that the next batch of the
     same episodes (a vectorized env between resets) skips the per-episode lookups: their ids,
-    row arrays, step counts and last rows. Valid while ``allocations`` matches the core's
-    (no row handed out since) and ``epoch`` does (none of them ended or went)."""
+    row arrays, step counts and last rows. The core drops it when any episode in progress
+    ends or goes; its step counts and last rows hold while ``allocations`` matches the
+    core's (no row handed out since)."""
 
     def __init__(self, episodes: list[Episode], owns: list[array], ids: array, steps: array):
         self.episodes, self.owns, self.ids, self.steps = episodes, owns, ids, steps
         self.episode_ids = ids.tolist()
         self.last = array("q")
-        self.allocations = self.epoch = -1
+        self.allocations = -1
 
-    def advance(self, rows: array, allocations: int, epoch: int) -> None:
-        """After a batch appended ``rows``: one step more each, as of the core's counts."""
+    def advance(self, rows: array, allocations: int) -> None:
+        """After a batch appended ``rows``: one step more each, as of the core's count."""
         np.frombuffer(self.steps, np.int64)[:] += 1
-        self.last, self.allocations, self.epoch = rows, allocations, epoch
+        self.last, self.allocations = rows, allocations
 
 
 class _Packed:
@@ -896,7 +895,8 @@ class _Packed:
         self.episodes.extend(episodes)
         self.steps.extend(steps)
         self.ends.frombytes(bytes(8 * count))  # END_NONE
-        self.allocations.frombytes(np.arange(allocation, allocation + count).tobytes())
+        numbers = np.arange(allocation, allocation + count, dtype=np.int64)
+        self.allocations.frombytes(numbers.tobytes())
 
     def add_flat_rows(self, flat: list[int]) -> None:
         """New rows from the per-step list: 5 ints per row, in :class:`_Packed` column order."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class RowStager:
     def fits(self, count: int) -> bool:
         return len(self.rows) + count <= self.capacity
 
-    def stage(self, rows: list[int], leaves: dict[Key, torch.Tensor]) -> None:
+    def stage(self, rows: Sequence[int], leaves: dict[Key, torch.Tensor]) -> None:
         """Copy ``len(rows)`` rows of ``leaves`` (each ``[len(rows), ...]``); caller checks fits."""
         begin, end = len(self.rows), len(self.rows) + len(rows)
         for key, column in zip(self.keys, self.columns, strict=True):
@@ -67,7 +68,7 @@ class RowStager:
         order), then empty. The data must be consumed (written) before the next stage."""
         count = len(self.rows)
         slots = torch.frombuffer(self.rows, dtype=torch.long) if count else _NO_SLOTS
-        # The tensor views the old array's memory (TorchRL keeps it as its last cursor): that
-        # array is never touched again; staging starts a new one.
+        # The tensor views the old array's memory (written through TorchRL's set, TorchRL keeps
+        # it as its last cursor): that array is never touched again; staging starts a new one.
         self.rows = array("q")
         return slots, [c[:count] for c in self.columns]

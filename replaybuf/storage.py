@@ -237,17 +237,18 @@ class SlotStorage:
                 self._index_written(cursor, rows)
             # TorchRL's storage takes a range as the cursor (as a tensor of slots, the same
             # last slot); no tensor to build, nor a device sync to read its last element.
-            written: torch.Tensor | range = range(cursor, end)
+            written: range | int = range(cursor, end)
         else:
             head = self.capacity - cursor
-            written = torch.arange(cursor, end, device=self.storing_device) % self.capacity
+            slots = torch.arange(cursor, end, device=self.storing_device) % self.capacity
             columns = [(c, v) for (_, c), v in zip(self._leaves, values, strict=True)]
             if self._index_column is not None:
-                columns.append((self._index_column, written))
+                columns.append((self._index_column, slots))
             for column, value in columns:
                 column[cursor:].copy_(value[:head])
                 column[: rows - head].copy_(value[head:])
             self._index_written(cursor, rows)
+            written = (end - 1) % self.capacity  # the last slot, which TorchRL's readers take
         self._record_write(written, values[0])
         writer.load_state_dict(
             {"_cursor": end % self.capacity, "_write_count": state["_write_count"] + rows}

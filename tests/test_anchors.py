@@ -45,7 +45,10 @@ def as_rows(rows: list[int], numpy_rows: bool) -> torch.Tensor | np.ndarray:
 
 
 ops = st.lists(
-    st.tuples(st.booleans(), st.sets(st.integers(0, CAPACITY - 1), max_size=6)),
+    st.tuples(
+        st.sampled_from(["add", "remove", "remove_present"]),
+        st.sets(st.integers(0, CAPACITY - 1), max_size=6),
+    ),
     min_size=1,
     max_size=25,
 )
@@ -58,12 +61,12 @@ def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed, numpy_r
     anchors = AnchorSet(CAPACITY, torch.device("cpu"), host=host)
     model: set[int] = set()
     generator = torch.Generator().manual_seed(seed)
-    for is_add, rows in ops:
-        if is_add:
+    for op, rows in ops:
+        if op == "add":
             new = sorted(rows - model)
             anchors.add(as_rows(new, numpy_rows))
             model |= set(new)
-        elif seed % 2:
+        elif op == "remove":
             old = sorted(rows & model)
             anchors.remove(as_rows(old, numpy_rows))
             model -= set(old)
@@ -76,3 +79,8 @@ def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed, numpy_r
             assert set(drawn) <= model
             distinct = anchors.sample_distinct(CAPACITY + 1, generator).tolist()
             assert sorted(distinct) == sorted(model)
+
+
+def test_host_updates_need_the_set_on_the_cpu():
+    with pytest.raises(ValueError, match="host=True needs the set on the CPU, got device meta"):
+        AnchorSet(CAPACITY, torch.device("meta"), host=True)

@@ -69,6 +69,7 @@ def assert_bookkeeping(core: EpisodeCore) -> None:
     assert sorted(core.anchors.snapshot().tolist()) == sorted(anchors)
     assert core.valid_steps == len(anchors)
     assert core.steps == sum(e.steps for e in core.episodes.values())
+    assert set(core.running) == {i for i, e in core.episodes.items() if e.in_progress}
 
 
 ops = st.lists(
@@ -86,9 +87,12 @@ def run(ops_: list[tuple[str, int, int]], frame_stack: int | None) -> EpisodeCor
     """The ops on a small buffer (evicting), checking the bookkeeping after each flush."""
     buf = SyncEpisodeReplayBuffer(12, 5, storage="tensor", seed=0, frame_stack=frame_stack)
     running: list[int] = []
+    table = buf._core.episodes
     for step, (op, pick, width) in enumerate(ops_):
-        running = [i for i in running if i in buf._core.running]  # evictions end some
+        running = [i for i in running if i in table and table[i].in_progress]  # evictions
+        before = (buf._core.steps, buf._core.valid_steps, len(table), len(buf._core.free))
         obs = np.full(3, step, dtype=np.float32)
+        refused = None
         try:
             if op == "start" or not running:
                 running.append(buf.start_episode())
@@ -103,8 +107,12 @@ def run(ops_: list[tuple[str, int, int]], frame_stack: int | None) -> EpisodeCor
                 buf.end_episode(episode, "truncated" if pick % 2 else "terminated", obs)
             else:
                 assert_bookkeeping(buf._core)
-        except ValueError:
-            pass  # more steps than fit (max_steps): refused, nothing changed
+        except ValueError as exc:  # more steps than fit (max_steps)
+            refused = str(exc)
+        if refused is not None:  # refused, and nothing changed
+            assert "cannot make room" in refused
+            after = (buf._core.steps, buf._core.valid_steps, len(table), len(buf._core.free))
+            assert after == before
     assert_bookkeeping(buf._core)
     return buf._core
 
@@ -138,6 +146,12 @@ def test_a_batch_assigns_rows_as_single_appends_would():
             bufs[1].append_observation_action_reward(episode, obs[i], 0, 1.0)
     for buf in bufs:
         assert_bookkeeping(buf._core)
+    # The repeated batches took the cached run: they never looked the episodes up again.
+    with mock.patch.object(bufs[0]._core, "in_progress_all", side_effect=AssertionError):
+        obs = np.zeros((4, 3), dtype=np.float32)
+        bufs[0].append_batch(ids[0], obs, np.zeros(4, np.int64), np.ones(4, np.float32))
+    for i, episode in enumerate(ids[1]):
+        bufs[1].append_observation_action_reward(episode, obs[i], 0, 1.0)
     for name in COLUMNS[:-1]:
         assert torch.equal(getattr(bufs[0]._core.links, name), getattr(bufs[1]._core.links, name))
     assert [[*e.rows] for e in bufs[0]._core.episodes.values()] == [
@@ -166,6 +180,9 @@ def evict(buf: SyncEpisodeReplayBuffer, episode_id: int) -> None:
         (lambda buf, ids: ids.__setitem__(1, True), "must be an int"),
         (lambda buf, ids: ids.__setitem__(1, float(ids[1])), "must be an int"),
         (lambda buf, ids: ids.__setitem__(1, ids[0]), "distinct"),
+        (lambda buf, ids: ids.__setitem__(1, np.array([1, 2])), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, torch.tensor([1, 2])), "must be an int"),
+        (lambda buf, ids: buf.clear(), "evicted or cleared"),
     ],
 )
 def test_a_repeated_batch_is_checked_again_after_anything_that_changes_its_episodes(
@@ -199,3 +216,25 @@ def test_a_repeated_batch_after_single_appends_links_each_episode_to_its_latest_
         assert lengths == [5, 5, 6]
         observed = buf.get_episode(ids[2])["observation"][:, 0].tolist()
         assert observed == [0, 1, 9, 2, 3, 4]
+
+
+def test_a_repeated_batch_across_a_checkpoint_and_its_restore(tmp_path):
+    """Pinning for a checkpoint leaves the run as it was; a restored buffer has none and
+    checks the ids afresh; both go on storing the same steps."""
+    with SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf:
+        ids = [buf.start_episode() for _ in range(3)]
+        batch(buf, ids, 0)
+        batch(buf, ids, 1)
+        buf.save_checkpoint(tmp_path / "ck")  # pins, copies, unpins
+        batch(buf, ids, 2)
+        with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ck") as back:
+            assert back._core._run is None
+            batch(back, ids, 2)
+            batch(back, ids, 3)
+            batch(buf, ids, 3)
+            for b in (buf, back):
+                assert_bookkeeping(b._core)
+            for i in ids:
+                assert torch.equal(
+                    buf.get_episode(i)["observation"], back.get_episode(i)["observation"]
+                )
