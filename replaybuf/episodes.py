@@ -129,7 +129,8 @@ class RowLinks:
     The writes (:meth:`place` and :meth:`connect`, from int64 numpy arrays of staged
     bookkeeping; :meth:`release`, from rows on the storing device) run on numpy views of the
     columns (``host``) on the CPU: a numpy fancy index costs ~0.8 µs against torch's ~5 µs,
-    and a flush makes a dozen. Elsewhere they run in torch, one copy to the device per call.
+    and a flush makes a dozen. Elsewhere the same assignments run on the tensors, after one
+    copy of the arrays to the device per call.
     """
 
     def __init__(
@@ -161,7 +162,11 @@ class RowLinks:
             prev = None if self.prev_row is None else self.prev_row.numpy()
             self.host = HostLinks(*(t.numpy() for t in arrays), self.alloc.numpy(), prev)
         # Whether the writes run in numpy (default: on the CPU); tests run torch's on the CPU.
+        # Both kinds take the same item assignments, so the writes name their columns once.
         self._host_writes = self.host is not None and host is not False
+        tensors = (self.succ, self.end_kind, self.step, self.episode, self.next_row, self.alloc)
+        # A HostLinks of the numpy views, or of the tensors themselves.
+        self._targets: Any = self.host if self._host_writes else HostLinks(*tensors, self.prev_row)
 
     @property
     def nbytes(self) -> int:
@@ -180,67 +185,48 @@ class RowLinks:
         """Set up new rows (distinct): their episode, step, end kind and allocation; each gets
         no successor (and no predecessor) until :meth:`connect` links it."""
         self.version += 1
-        h = self.host
-        if self._host_writes and h is not None:
-            h.next_row[rows] = -1
-            h.succ[rows] = rows
-            h.episode[rows] = episodes
-            h.step[rows] = steps
-            h.end_kind[rows] = ends
-            h.alloc[rows] = allocations
-            if h.prev_row is not None:
-                h.prev_row[rows] = -1
-            return
-        columns = (rows, episodes, steps, ends, allocations)
-        r, episode, step, end, alloc = _on(self.succ.device, *columns)
-        self.next_row[r] = -1
-        self.succ[r] = r
-        self.episode[r] = episode
-        self.step[r] = step
-        self.end_kind[r] = end.to(torch.int8)
-        self.alloc[r] = alloc
-        if self.prev_row is not None:
-            self.prev_row[r] = -1
+        if not self._host_writes:
+            columns = (rows, episodes, steps, ends, allocations)
+            rows, episodes, steps, ends, allocations = _on(self.succ.device, *columns)
+            ends = ends.to(torch.int8)  # numpy casts on assignment; torch's index_put does not
+        c = self._targets
+        c.next_row[rows] = -1
+        c.succ[rows] = rows
+        c.episode[rows] = episodes
+        c.step[rows] = steps
+        c.end_kind[rows] = ends
+        c.alloc[rows] = allocations
+        if c.prev_row is not None:
+            c.prev_row[rows] = -1
 
     def connect(self, sources: np.ndarray, targets: np.ndarray) -> torch.Tensor:
         """Link each of ``sources`` to the row in ``targets`` that follows it; returns
         ``sources`` on the storing device (a new tensor: the caller's next use is there)."""
         self.version += 1
-        h = self.host
-        if self._host_writes and h is not None:
-            h.next_row[sources] = targets
-            h.succ[sources] = targets
-            if h.prev_row is not None:
-                h.prev_row[targets] = sources
-            return torch.from_numpy(sources.copy())
-        source, target = _on(self.succ.device, sources, targets)
-        self.next_row[source] = target
-        self.succ[source] = target
-        if self.prev_row is not None:
-            self.prev_row[target] = source
-        return source
+        if self._host_writes:
+            starts = torch.from_numpy(sources.copy())
+        else:
+            sources, targets = _on(self.succ.device, sources, targets)
+            starts = sources
+        c = self._targets
+        c.next_row[sources] = targets
+        c.succ[sources] = targets
+        if c.prev_row is not None:
+            c.prev_row[targets] = sources
+        return starts
 
     def release(self, released: torch.Tensor) -> None:
         """Free rows (int64, on the storing device): no episode, successor, predecessor or end
         kind."""
         self.version += 1
-        h = self.host
-        if self._host_writes and h is not None:
-            rows = released.numpy()
-            h.next_row[rows] = -1
-            h.succ[rows] = rows
-            h.episode[rows] = -1
-            h.end_kind[rows] = END_NONE
-            if h.prev_row is not None:
-                h.prev_row[rows] = -1
-            return
-        r = released
-        self.next_row[r] = -1
-        self.succ[r] = r
-        self.episode[r] = -1
-        self.end_kind[r] = END_NONE
-        if self.prev_row is not None:
-            self.prev_row[r] = -1
+        rows = released.numpy() if self._host_writes else released
+        c = self._targets
+        c.next_row[rows] = -1
+        c.succ[rows] = rows
+        c.episode[rows] = -1
+        c.end_kind[rows] = END_NONE
+        if c.prev_row is not None:
+            c.prev_row[rows] = -1
 
     def jumps(self, levels: int) -> list[torch.Tensor]:
         """``index.jump_tables`` of ``succ`` (succ^1, succ^2, succ^4, ...), kept until the
@@ -585,11 +571,7 @@ class EpisodeCore:
             # spare row first, so that a declined value still leaves everything as it was.
             if not plan.stage(stager.capacity, step):
                 return False
-            if evict:
-                self.make_room(1, 1, 0, {episode.episode_id})  # may refuse: nothing changed
-            else:
-                self._write_staged()
-            # make_room evicted, so it flushed: either way the stager is empty.
+            self._empty_stager(bool(evict), 1, episode)  # may refuse: nothing changed
             stager.stage_spare(self._assign_row(episode), plan.arrays)
             return True
         # The step goes straight into the next staging row, which only counts once its storage
@@ -748,10 +730,7 @@ class EpisodeCore:
         if evict or len(stager.rows) >= stager.capacity:  # as append_one: the spare row first
             if not plan.stage_final(stager.capacity, observation):
                 return False
-            if evict:
-                self.make_room(0, 1, 0, {episode.episode_id})  # may refuse: nothing changed
-            else:
-                self._write_staged()
+            self._empty_stager(bool(evict), 0, episode)  # may refuse: nothing changed
             stager.stage_spare(self._final_row(episode, end_kind), plan.arrays)
         else:
             if not plan.stage_final(len(stager.rows), observation):
@@ -759,6 +738,15 @@ class EpisodeCore:
             stager.rows.append(self._final_row(episode, end_kind))
         self._finish(episode, end_kind)
         return True
+
+    def _empty_stager(self, evict: bool, steps: int, episode: Episode) -> None:
+        """Make room for ``steps`` steps and a row of ``episode`` (an eviction, which flushes),
+        or else write the full stager: either way the stager is then empty. Only making room
+        may refuse, and then nothing changed."""
+        if evict:
+            self.make_room(steps, 1, 0, {episode.episode_id})
+        else:
+            self._write_staged()
 
     def _final_row(self, episode: Episode, end_kind: int) -> int:
         """A free row for ``episode``'s final observation, linked after its last step."""
