@@ -104,7 +104,9 @@ def test_save_load_save_gives_identical_checksums(tmp_path: Path) -> None:
 
 
 def empty_new(buf: SyncEpisodeReplayBuffer) -> None:
-    """Nothing stored yet: no spec, no episode."""
+    """Nothing stored yet: no spec, no episode (left as created)."""
+    assert buf.spec is None
+    assert buf.stats()["episodes"] == 0
 
 
 def cleared(buf: SyncEpisodeReplayBuffer) -> None:
