@@ -604,16 +604,9 @@ class EpisodeCore:
             self.make_room(count, count, 0, {e.episode_id for e in episodes})  # may refuse
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = self._assign_rows(episodes)
-        if count <= stager.capacity:
-            if not stager.fits(count):
-                self._write_staged()
-            at = len(stager.rows)
-            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
-                column[at : at + count] = value
-            stager.rows.extend(rows)
-            return True
-        # More environments than a stager holds (thousands, from EnvPool say): through it in
-        # parts. No flush can come in between, so every assigned row is staged before one.
+        # One slice per field; more environments than a stager holds (thousands, from EnvPool
+        # say) go through it in parts. No flush comes in between, so every assigned row is
+        # staged before one.
         for begin in range(0, count, stager.capacity):
             end = min(begin + stager.capacity, count)
             if not stager.fits(end - begin):

@@ -128,17 +128,8 @@ class RowPlan:
         out = []
         for arg, name, shape, dtype, np_dtype, _, _ in self.fields:
             value = step[arg] if name is None else extras[name]
-            kind = type(value)
-            if kind is torch.Tensor:
-                if value.dtype is not dtype or not value.is_cpu:
-                    return None
-                try:
-                    value = value.numpy()
-                except _NO_VIEW:
-                    return None
-            elif kind is not np.ndarray or value.dtype != np_dtype:
-                return None
-            if value.shape != (count, *shape):
+            value = fast_value(value, (count, *shape), dtype, np_dtype)  # no numbers: shape > 0
+            if value is None:
                 return None
             out.append(value)
         return out
