@@ -83,9 +83,14 @@ ops = st.lists(
 )
 
 
-def run(ops_: list[tuple[str, int, int]], frame_stack: int | None) -> EpisodeCore:
-    """The ops on a small buffer (evicting), checking the bookkeeping after each flush."""
-    buf = SyncEpisodeReplayBuffer(12, 5, storage="tensor", seed=0, frame_stack=frame_stack)
+def run(
+    ops_: list[tuple[str, int, int]], frame_stack: int | None, storing: str = "cpu"
+) -> EpisodeCore:
+    """The ops on a small buffer (evicting) stored on ``storing``, checking the bookkeeping
+    after each flush."""
+    buf = SyncEpisodeReplayBuffer(
+        12, 5, storing_device=storing, storage="tensor", seed=0, frame_stack=frame_stack
+    )
     running: list[int] = []
     table = buf._core.episodes
     for step, (op, pick, width) in enumerate(ops_):

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from tensordict import TensorDictBase
+from test_bookkeeping import COLUMNS, run
+from test_bookkeeping import ops as bookkeeping_ops
 from test_episodes import operations
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
@@ -93,6 +96,26 @@ def test_random_programs_agree_with_the_reference(
         for name, *args in ops:
             getattr(program, name)(*args)
             program.check()
+
+
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@settings(max_examples=40, deadline=None)
+@given(ops_=bookkeeping_ops)
+def test_row_bookkeeping_on_cuda_storage_matches_the_host_writes(ops_, frame_stack):
+    # CUDA storage keeps its links and anchors on the GPU and writes them in torch; the same
+    # operations on CPU storage write them in numpy. Both must agree with the slow rebuild
+    # (inside run) and with each other, column by column.
+    with mock.patch("replaybuf.episodes._FLUSH_ROWS", 3):
+        host = run(ops_, frame_stack)
+        gpu = run(ops_, frame_stack, storing="cuda")
+    assert host.links._host_writes
+    assert not gpu.links._host_writes
+    assert gpu.links.next_row.device.type == "cuda"
+    for name in COLUMNS:
+        a, b = getattr(host.links, name), getattr(gpu.links, name)
+        assert (a is None and b is None) or torch.equal(a, b.cpu()), name
+    assert torch.equal(host.anchors.snapshot(), gpu.anchors.snapshot().cpu())
+    assert list(host.free) == list(gpu.free)
 
 
 def filled_episodes(
