@@ -6,8 +6,9 @@ mask would need a scan per draw. So the valid rows are kept packed in ``rows[:co
 appends, and a removal fills each hole with a survivor from the tail. ``count`` lives on the host
 so no update or draw needs a device synchronisation.
 
-On the CPU, adds and removes run on numpy views of the same tensors: a numpy fancy index costs
-~0.8 µs against torch's ~5 µs, and each flush of staged steps makes several.
+Adds and removes run on numpy columns on the host (a numpy fancy index costs ~0.8 µs, a torch
+one ~5 µs on the CPU and a launch plus a copy on CUDA, and each flush makes several). Draws read
+those columns on the CPU, and elsewhere a device copy updated when read (:mod:`replaybuf.mirror`).
 """
 
 from __future__ import annotations
@@ -15,31 +16,50 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-Rows = torch.Tensor | np.ndarray  # int64 rows, on the host or the storing device
+from replaybuf.mirror import DeviceMirror
+
+Rows = torch.Tensor | np.ndarray  # int64 rows on the host
 
 
 class AnchorSet:
     """The set of rows that may start a sample, packed for uniform draws."""
 
-    def __init__(self, capacity: int, device: torch.device, host: bool | None = None) -> None:
-        self.rows = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self.pos = torch.full((capacity,), -1, dtype=torch.long, device=device)
+    def __init__(self, capacity: int, device: torch.device, mirror: bool | None = None) -> None:
+        self._rows = torch.full((capacity,), -1, dtype=torch.long)
+        self._pos = torch.full((capacity,), -1, dtype=torch.long)
+        self._host = (self._rows.numpy(), self._pos.numpy())  # every update goes through these
         self.count = 0
-        # numpy views of rows and pos for the updates (None: torch on the storing device);
-        # ``host`` defaults to whether the set lives on the CPU (False there: torch's path).
-        if host is None:
-            host = device.type == "cpu"
-        if host and device.type != "cpu":
-            raise ValueError(f"host=True needs the set on the CPU, got device {device}")
-        self._host: tuple[np.ndarray, np.ndarray] | None = None
-        if host:
-            self._host = (self.rows.numpy(), self.pos.numpy())
+        # The device copy draws read off the CPU (``mirror``: tests mirror on the CPU too).
+        self._mirror: DeviceMirror | None = None
+        if mirror or (mirror is None and device.type != "cpu"):
+            self._mirror = DeviceMirror(self._host, device)
 
     def __len__(self) -> int:
         return self.count
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The packed rows (``[:count]`` hold the set) where draws read them, up to date."""
+        if self._mirror is None:
+            return self._rows
+        self._mirror.publish()
+        return self._mirror.table[0]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """Each row's place in :attr:`rows` (-1: absent), beside :attr:`rows`."""
+        if self._mirror is None:
+            return self._pos
+        self._mirror.publish()
+        return self._mirror.table[1]
+
+    @property
+    def nbytes(self) -> int:
+        host = self._rows.nbytes + self._pos.nbytes
+        return host + (0 if self._mirror is None else self._mirror.nbytes)
+
     def contains(self, rows: torch.Tensor) -> torch.Tensor:
-        """Bool per row: is it in the set."""
+        """Bool per row (on the rows' device, which is where the set is read): is it in the set."""
         return self.pos[rows] >= 0
 
     def add(self, new_rows: Rows) -> None:
@@ -48,16 +68,14 @@ class AnchorSet:
         if k == 0:
             return
         begin, end = self.count, self.count + k
-        if self._host is not None:
-            rows, pos = self._host
-            new = _host(new_rows)
-            rows[begin:end] = new
-            pos[new] = np.arange(begin, end)
-        else:
-            new = _device(new_rows, self.rows.device)
-            self.rows[begin:end] = new
-            self.pos[new] = torch.arange(begin, end, device=self.rows.device)
+        rows, pos = self._host
+        new = _host(new_rows)
+        rows[begin:end] = new
+        pos[new] = np.arange(begin, end)
         self.count = end
+        if self._mirror is not None:
+            self._mirror.touched(np.arange(begin, end))
+            self._mirror.touched(new)
 
     def remove(self, old_rows: Rows) -> None:
         """Remove rows that are in the set (each once)."""
@@ -65,62 +83,45 @@ class AnchorSet:
         if k == 0:
             return
         new_count = self.count - k
-        # The same steps on either side: free the rows' places; holes inside the kept prefix
-        # are refilled by the tail rows that stay (as many as holes).
-        if self._host is not None:
-            rows, pos = self._host
-            old = _host(old_rows)
-            holes = pos[old]
-            pos[old] = -1
-            holes = holes[holes < new_count]
-            tail = rows[new_count : self.count]
-            movers = tail[pos[tail] >= 0]
-            rows[holes] = movers
-            pos[movers] = holes
-            rows[new_count : self.count] = -1
-        else:
-            old = _device(old_rows, self.rows.device)
-            holes = self.pos[old]
-            self.pos[old] = -1
-            holes = holes[holes < new_count]
-            tail = self.rows[new_count : self.count]
-            movers = tail[self.pos[tail] >= 0]
-            self.rows[holes] = movers
-            self.pos[movers] = holes
-            self.rows[new_count : self.count] = -1
+        # Free the rows' places; holes inside the kept prefix are refilled by the tail rows
+        # that stay (as many as holes).
+        rows, pos = self._host
+        old = _host(old_rows)
+        holes = pos[old]
+        pos[old] = -1
+        holes = holes[holes < new_count]
+        tail = rows[new_count : self.count]
+        movers = tail[pos[tail] >= 0]
+        rows[holes] = movers
+        pos[movers] = holes
+        rows[new_count : self.count] = -1
+        if self._mirror is not None:  # places holes and the tail, rows old and movers
+            for changed in (holes, np.arange(new_count, self.count), old, movers):
+                self._mirror.touched(changed)
         self.count = new_count
 
     def remove_present(self, rows: Rows) -> None:
         """Remove those of ``rows`` that are in the set (each row once)."""
-        if self._host is not None:
-            rows = _host(rows)
-            self.remove(rows[self._host[1][rows] >= 0])
-        else:
-            rows = _device(rows, self.rows.device)
-            self.remove(rows[self.pos[rows] >= 0])
+        rows = _host(rows)
+        self.remove(rows[self._host[1][rows] >= 0])
 
     def sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """``batch_size`` rows uniformly with replacement."""
-        picks = torch.randint(
-            0, self.count, (batch_size,), generator=generator, device=self.rows.device
-        )
-        return self.rows.index_select(0, picks)
+        rows = self.rows
+        picks = torch.randint(0, self.count, (batch_size,), generator=generator, device=rows.device)
+        return rows.index_select(0, picks)
 
     def sample_distinct(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """Up to ``batch_size`` distinct rows, uniformly without replacement."""
-        perm = torch.randperm(self.count, generator=generator, device=self.rows.device)
-        return self.rows[perm[:batch_size]]
+        rows = self.rows
+        perm = torch.randperm(self.count, generator=generator, device=rows.device)
+        return rows[perm[:batch_size]]
 
     def snapshot(self) -> torch.Tensor:
-        """A copy of the rows in the set now."""
+        """A copy of the rows in the set now, where draws read them."""
         return self.rows[: self.count].clone()
 
 
 def _host(rows: Rows) -> np.ndarray:
     """``rows`` as a numpy array (a view of a CPU tensor)."""
     return rows if isinstance(rows, np.ndarray) else rows.numpy()
-
-
-def _device(rows: Rows, device: torch.device) -> torch.Tensor:
-    """``rows`` as a tensor on ``device``."""
-    return rows.to(device) if isinstance(rows, torch.Tensor) else torch.from_numpy(rows).to(device)

@@ -429,7 +429,7 @@ class SyncEpisodeReplayBuffer:
             "storage": core.slots.kind,
             "device": str(self.device),
             "storing_device": str(self.storing_device),
-            "bytes": core.slots.stored_bytes() + core.links.nbytes + 2 * core.anchors.rows.nbytes,
+            "bytes": core.slots.stored_bytes() + core.links.nbytes + core.anchors.nbytes,
             "frame_stack": self.frame_stack,
             **priority_stats(core.priorities),
         }

@@ -88,7 +88,7 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
         "index/episode_rows": torch.tensor(flat, dtype=torch.long),
     }
     for name in LINKS:
-        tensors[f"links/{name}"] = getattr(core.links, name).clone()
+        tensors[f"links/{name}"] = core.links.saved(name).clone()
     if core.priorities is not None:
         tensors[PRIORITY] = core.priorities.tree.weights()
     if spec is not None:
@@ -356,7 +356,6 @@ def _check_links(saved: Saved, rows: int, where: str) -> None:
 
 def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:
     core, meta, s = buffer._core, saved.meta, saved.small
-    device = core.slots.storing_device
     if saved.spec is not None:
         core.slots.prepare(saved.spec)
         names = row_tensor_names(saved.spec)
@@ -368,10 +367,8 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
         core.slots.restore(
             high_water, high_water % core.slots.capacity, high_water, fill, ring=False
         )
-    for name in LINKS:
-        getattr(core.links, name).copy_(s[f"links/{name}"].to(device))
-    core.links.relink()
-    core.anchors.add(s["index/anchors"].to(device))
+    core.links.restore({name: s[f"links/{name}"] for name in LINKS})
+    core.anchors.add(s["index/anchors"].cpu())
     core.allocations = meta["allocations"]
     if core.priorities is not None and PRIORITY in s:
         core.priorities.tree.load(s[PRIORITY])

@@ -39,6 +39,7 @@ from replaybuf.compiled import compiled_kernels
 from replaybuf.errors import EpisodeStateError, InsufficientSpaceError, ReplayBufError, SchemaError
 from replaybuf.fastrow import RowPlan
 from replaybuf.index import END_NONE, END_TERMINATED, END_TRUNCATED, jump_tables
+from replaybuf.mirror import DeviceMirror
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
@@ -112,7 +113,7 @@ class RowsPinned(ReplayBufError, RuntimeError):
 
 
 class HostLinks(NamedTuple):
-    """numpy views of :class:`RowLinks` columns on the CPU (``RowLinks.host``)."""
+    """numpy views of :class:`RowLinks` columns on the host (``RowLinks.host`` on the CPU)."""
 
     succ: np.ndarray
     end_kind: np.ndarray
@@ -123,56 +124,96 @@ class HostLinks(NamedTuple):
     prev_row: np.ndarray | None
 
 
-class RowLinks:
-    """Per-row bookkeeping on the storing device: links, owners, steps and end kinds.
+class _Column:
+    """A :class:`RowLinks` column as readers see it: on the storing device, up to date."""
 
-    The writes (:meth:`place` and :meth:`connect`, from int64 numpy arrays of staged
-    bookkeeping; :meth:`release`, from rows on the storing device) run on numpy views of the
-    columns (``host``) on the CPU: a numpy fancy index costs ~0.8 µs against torch's ~5 µs,
-    and a flush makes a dozen. Elsewhere the same assignments run on the tensors, after one
-    copy of the arrays to the device per call.
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, links: RowLinks, owner: type | None = None) -> Any:
+        return links.column(self.name)
+
+
+class RowLinks:
+    """Per-row bookkeeping: links, owners, steps and end kinds, read on the storing device.
+
+    Every write (:meth:`place`, :meth:`connect`, :meth:`release`, from int64 numpy arrays)
+    runs on numpy columns on the host: a numpy fancy index costs ~0.8 µs, a torch one ~5 µs on
+    the CPU and a launch plus a copy on CUDA, and a flush makes a dozen. On the CPU the
+    columns are the tensors readers get (``host`` holds their numpy views, for the numpy
+    index math). Elsewhere (``mirror``) readers get a device copy, updated when read (see
+    :mod:`replaybuf.mirror`); tests mirror on the CPU too.
     """
 
+    next_row = _Column()
+    # next_row with a self-loop where it is -1, so that following links is one gather per
+    # step with no mask (see index.nstep_windows). Derived: every write to next_row sets it.
+    succ = _Column()
+    episode = _Column()
+    step = _Column()
+    end_kind = _Column()
+    # Which allocation of the row holds it now: an id handed out with a sample stays
+    # recognisable after the row is freed and reused (see EpisodeCore.row_ids).
+    alloc = _Column()
+    # The reverse of next_row (-1 at an episode's first row), kept only for frame stacking.
+    prev_row = _Column()
+
     def __init__(
-        self, capacity: int, device: torch.device, backward: bool = False, host: bool | None = None
+        self,
+        capacity: int,
+        device: torch.device,
+        backward: bool = False,
+        mirror: bool | None = None,
     ) -> None:
-        self.next_row = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        # next_row with a self-loop where it is -1, so that following links is one gather per
-        # step with no mask (see index.nstep_windows). Derived: every write to next_row sets it.
-        self.succ = torch.arange(capacity, dtype=torch.long, device=device)
-        self.episode = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self.step = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.end_kind = torch.zeros(capacity, dtype=torch.int8, device=device)
-        # Which allocation of the row holds it now: an id handed out with a sample stays
-        # recognisable after the row is freed and reused (see EpisodeCore.row_ids).
-        self.alloc = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        # The reverse of next_row (-1 at an episode's first row), kept only for frame stacking.
-        self.prev_row: torch.Tensor | None = (
-            torch.full((capacity,), -1, dtype=torch.long, device=device) if backward else None
+        long = {"dtype": torch.long}
+        self._tensors: dict[str, torch.Tensor | None] = {
+            "succ": torch.arange(capacity, **long),
+            "end_kind": torch.zeros(capacity, dtype=torch.int8),
+            "step": torch.zeros(capacity, **long),
+            "episode": torch.full((capacity,), -1, **long),
+            "next_row": torch.full((capacity,), -1, **long),
+            "alloc": torch.full((capacity,), -1, **long),
+            "prev_row": torch.full((capacity,), -1, **long) if backward else None,
+        }
+        # The numpy views every write goes through; they share memory with the tensors, which
+        # are only ever written in place.
+        self._master = HostLinks(
+            **{name: None if t is None else t.numpy() for name, t in self._tensors.items()}
         )
         self.version = 0  # bumped whenever succ changes: invalidates the jump tables
         self._jumps: list[torch.Tensor] = []  # index.jump_tables of succ, built on demand
         self._jumps_version = 0
-        # numpy views of the columns, for CPU storage (None on CUDA): the n-step sampler reads
-        # them and the writes go through them. They share memory with the tensors, which are
-        # only ever written in place.
-        self.host: HostLinks | None = None
-        if device.type == "cpu":
-            arrays = (self.succ, self.end_kind, self.step, self.episode, self.next_row)
-            prev = None if self.prev_row is None else self.prev_row.numpy()
-            self.host = HostLinks(*(t.numpy() for t in arrays), self.alloc.numpy(), prev)
-        # Whether the writes run in numpy (default: on the CPU); tests run torch's on the CPU.
-        # Both kinds take the same item assignments, so the writes name their columns once.
-        self._host_writes = self.host is not None and host is not False
-        tensors = (self.succ, self.end_kind, self.step, self.episode, self.next_row, self.alloc)
-        # A HostLinks of the numpy views, or of the tensors themselves.
-        self._targets: Any = self.host if self._host_writes else HostLinks(*tensors, self.prev_row)
+        self._mirror: DeviceMirror | None = None
+        self._views = self._tensors
+        if mirror or (mirror is None and device.type != "cpu"):
+            names = [name for name, t in self._tensors.items() if t is not None]
+            self._mirror = DeviceMirror([getattr(self._master, n) for n in names], device)
+            self._views = dict.fromkeys(self._tensors)
+            self._views.update(zip(names, self._mirror.table, strict=True))
+        # numpy views for the n-step sampler on CPU storage (None: it runs in torch, on the
+        # device copy, with no host synchronisation). Tests set it to None on the CPU too.
+        self.host: HostLinks | None = None if self._mirror is not None else self._master
+
+    def column(self, name: str) -> torch.Tensor | None:
+        """A column on the storing device, with every write so far."""
+        if self._mirror is not None:
+            self._mirror.publish()
+        return self._views[name]
+
+    def saved(self, name: str) -> torch.Tensor | None:
+        """A column's host values (its stored dtype, on the CPU), for checkpoints."""
+        return self._tensors[name]
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
-        )
+        mirrored = 0 if self._mirror is None else self._mirror.nbytes
+        host = sum(t.numel() * t.element_size() for t in self._tensors.values() if t is not None)
+        return host + mirrored
+
+    def _touched(self, *rows: np.ndarray) -> None:
+        if self._mirror is not None:
+            for r in rows:
+                self._mirror.touched(r)
 
     def place(
         self,
@@ -185,11 +226,7 @@ class RowLinks:
         """Set up new rows (distinct): their episode, step, end kind and allocation; each gets
         no successor (and no predecessor) until :meth:`connect` links it."""
         self.version += 1
-        if not self._host_writes:
-            columns = (rows, episodes, steps, ends, allocations)
-            rows, episodes, steps, ends, allocations = _on(self.succ.device, *columns)
-            ends = ends.to(torch.int8)  # numpy casts on assignment; torch's index_put does not
-        c = self._targets
+        c = self._master
         c.next_row[rows] = -1
         c.succ[rows] = rows
         c.episode[rows] = episodes
@@ -198,35 +235,32 @@ class RowLinks:
         c.alloc[rows] = allocations
         if c.prev_row is not None:
             c.prev_row[rows] = -1
+        self._touched(rows)
 
     def connect(self, sources: np.ndarray, targets: np.ndarray) -> torch.Tensor:
         """Link each of ``sources`` to the row in ``targets`` that follows it; returns
-        ``sources`` on the storing device (a new tensor: the caller's next use is there)."""
+        ``sources`` as a new CPU tensor."""
         self.version += 1
-        if self._host_writes:
-            starts = torch.from_numpy(sources.copy())
-        else:
-            sources, targets = _on(self.succ.device, sources, targets)
-            starts = sources
-        c = self._targets
+        c = self._master
         c.next_row[sources] = targets
         c.succ[sources] = targets
         if c.prev_row is not None:
             c.prev_row[targets] = sources
-        return starts
+            self._touched(targets)
+        self._touched(sources)
+        return torch.from_numpy(sources.copy())
 
-    def release(self, released: torch.Tensor) -> None:
-        """Free rows (int64, on the storing device): no episode, successor, predecessor or end
-        kind."""
+    def release(self, rows: np.ndarray) -> None:
+        """Free rows (int64): no episode, successor, predecessor or end kind."""
         self.version += 1
-        rows = released.numpy() if self._host_writes else released
-        c = self._targets
+        c = self._master
         c.next_row[rows] = -1
         c.succ[rows] = rows
         c.episode[rows] = -1
         c.end_kind[rows] = END_NONE
         if c.prev_row is not None:
             c.prev_row[rows] = -1
+        self._touched(rows)
 
     def jumps(self, levels: int) -> list[torch.Tensor]:
         """``index.jump_tables`` of ``succ`` (succ^1, succ^2, succ^4, ...), kept until the
@@ -235,38 +269,43 @@ class RowLinks:
             self._jumps, self._jumps_version = [], self.version
         return jump_tables(self.succ, levels, self._jumps)
 
-    def relink(self) -> None:
-        """Recompute ``succ`` and ``prev_row`` from ``next_row`` (after a checkpoint restored
-        the links)."""
-        rows = torch.arange(self.next_row.shape[0], device=self.next_row.device)
-        self.succ.copy_(torch.where(self.next_row >= 0, self.next_row, rows))
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        """Set columns from a checkpoint (host tensors of the saved names), then recompute
+        ``succ`` and ``prev_row`` from ``next_row``."""
+        for name, value in saved.items():
+            self._tensors[name].copy_(value)
+        c = self._master
+        rows = np.arange(c.next_row.shape[0])
+        c.succ[:] = np.where(c.next_row >= 0, c.next_row, rows)
+        if c.prev_row is not None:
+            c.prev_row.fill(-1)
+            linked = np.flatnonzero(c.next_row >= 0)
+            c.prev_row[c.next_row[linked]] = linked
         self.version += 1
-        if self.prev_row is None:
-            return
-        self.prev_row.fill_(-1)
-        linked = torch.nonzero(self.next_row >= 0).squeeze(1)  # [links]
-        self.prev_row[self.next_row[linked]] = linked
+        if self._mirror is not None:
+            self._mirror.publish_all()
 
 
-def _on(device: torch.device, *columns: np.ndarray) -> torch.Tensor:
-    """Equal-length int64 host arrays as the rows of one tensor on ``device``: one copy to
-    the device for all of them (a copy on the CPU too: the arrays may be views)."""
-    return torch.from_numpy(np.stack(columns)).to(device)
-
-
-# Bookkeeping bytes per row: next_row, succ, episode, step, alloc (int64), end_kind (int8), the
-# anchor set's two int64 columns and the free list's int64 entry; prev_row adds 8.
-_BOOKKEEPING_ROW_BYTES = 8 * 5 + 1 + 16 + 8
+# Bookkeeping bytes per row on the host: next_row, succ, episode, step, alloc (int64), end_kind
+# (int8), the anchor set's two int64 columns and the free list's int64 entry; prev_row adds 8.
+# Storage off the CPU also keeps a device copy of the links and anchors, every column int64.
+_HOST_ROW_BYTES = 8 * 5 + 1 + 16 + 8
+_MIRROR_ROW_BYTES = 8 * 6 + 16
 
 
 def check_bookkeeping_space(capacity: int, device: torch.device, backward: bool) -> None:
     """Raise :class:`InsufficientSpaceError` before allocating row bookkeeping that cannot fit
-    (the tensors live on the storing device; the allocator's own error names no argument)."""
-    needed = capacity * (_BOOKKEEPING_ROW_BYTES + 8 * backward)
-    free = free_bytes("tensor", device, Path(tempfile.gettempdir()))
-    if needed > free:
-        where = f"{device} memory" if device.type == "cuda" else "host memory (RAM)"
-        raise InsufficientSpaceError(f"{where}, for the rows' bookkeeping", needed, free)
+    (on the host, and its copy on the storing device; the allocator's own error names no
+    argument)."""
+    places = [(torch.device("cpu"), _HOST_ROW_BYTES)]
+    if device.type != "cpu":
+        places.append((device, _MIRROR_ROW_BYTES))
+    for place, row_bytes in places:
+        needed = capacity * (row_bytes + 8 * backward)
+        free = free_bytes("tensor", place, Path(tempfile.gettempdir()))
+        if needed > free:
+            where = f"{place} memory" if place.type == "cuda" else "host memory (RAM)"
+            raise InsufficientSpaceError(f"{where}, for the rows' bookkeeping", needed, free)
 
 
 class EpisodeCore:
@@ -502,12 +541,11 @@ class EpisodeCore:
         if episode.final_row is not None:
             rows = rows + array("q", (episode.final_row,))
         if rows:
-            # A copy through the array's buffer (no Python ints), on the storing device.
-            held = torch.frombuffer(rows, dtype=torch.long).to(self.slots.storing_device, copy=True)
+            held = np.array(rows, dtype=np.int64)  # a copy through the array's buffer
             self.anchors.remove_present(held)
             self.links.release(held)
             if self.priorities is not None:  # evicted steps leave the distribution at once
-                self.priorities.remove(held)
+                self.priorities.remove(torch.from_numpy(held).to(self.slots.storing_device))
             if self.pinned:
                 self.quarantine.extend(reversed(rows))
             else:
@@ -828,7 +866,7 @@ class EpisodeCore:
             starts = self.links.connect(*packed.links())
             self.anchors.add(starts)
             if self.priorities is not None:  # new steps enter at the current maximum
-                self.priorities.admit(starts)
+                self.priorities.admit(starts.to(self.slots.storing_device))
         self._packed = _Packed()  # only now: a failed write above keeps what it was to apply
 
     def clear(self) -> None:

@@ -9,11 +9,27 @@ the episode and step it came from, and a window that crossed episodes would show
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
+from unittest import mock
 
 import torch
 from reference import ReferenceBuffer
 from tensordict import TensorDict
+
+from replaybuf.anchors import AnchorSet
+from replaybuf.episodes import RowLinks
+
+
+def mirrored() -> Any:
+    """Episode buffers built inside read their row bookkeeping through device copies updated
+    when read, and run their index math in torch on those copies: CUDA storage's path, on the
+    CPU."""
+    return mock.patch.multiple(
+        "replaybuf.episodes",
+        RowLinks=partial(RowLinks, mirror=True),
+        AnchorSet=partial(AnchorSet, mirror=True),
+    )
 
 
 def obs(e: int, t: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from episode_helpers import (
     batch_of,
     extras,
     final_obs,
+    mirrored,
     pairs_of,
     step,
 )
@@ -78,9 +79,12 @@ operations = st.one_of(
 def test_random_interleavings_agree_with_the_reference(
     make, max_steps, max_episodes, storage, ops, torch_index
 ):
-    buf = make(max_steps, max_episodes, storage=storage)
-    if torch_index:  # the index math CUDA storage runs (torch), here on the CPU
-        buf._core.links.host = None
+    if torch_index:  # CUDA storage's path (device copies, torch index math), on the CPU
+        with mirrored():
+            buf = make(max_steps, max_episodes, storage=storage)
+        assert buf._core.links.host is None
+    else:
+        buf = make(max_steps, max_episodes, storage=storage)
     program = Program(buf)
     program.check()
     for name, *args in ops:
