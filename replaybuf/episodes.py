@@ -43,7 +43,7 @@ from replaybuf.mirror import DeviceMirror
 from replaybuf.prioritized import Prioritizer
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
-from replaybuf.storage import SlotStorage, build_tensordict, free_bytes, nest
+from replaybuf.storage import SlotStorage, build_tensordict, free_bytes, nest, to_device_async
 
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
 # Keys sampling and get_episode return; an extras field must not shadow one of them.
@@ -125,13 +125,19 @@ class HostLinks(NamedTuple):
 
 
 class _Column:
-    """A :class:`RowLinks` column as readers see it: on the storing device, up to date."""
+    """A :class:`RowLinks` column as readers see it: on the storing device, up to date.
+    Read-only: an assignment would hide the column from later updates."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, links: RowLinks, owner: type | None = None) -> Any:
+    def __get__(self, links: RowLinks | None, owner: type | None = None) -> Any:
+        if links is None:  # on the class
+            return self
         return links.column(self.name)
+
+    def __set__(self, links: RowLinks, value: object) -> None:
+        raise AttributeError(f"RowLinks.{self.name} is read-only: write through place/connect")
 
 
 class RowLinks:
@@ -191,7 +197,7 @@ class RowLinks:
             self._views = dict.fromkeys(self._tensors)
             self._views.update(zip(names, self._mirror.table, strict=True))
         # numpy views for the n-step sampler on CPU storage (None: it runs in torch, on the
-        # device copy, with no host synchronisation). Tests set it to None on the CPU too.
+        # device copy, with no host synchronisation).
         self.host: HostLinks | None = None if self._mirror is not None else self._master
 
     def column(self, name: str) -> torch.Tensor | None:
@@ -273,7 +279,9 @@ class RowLinks:
         """Set columns from a checkpoint (host tensors of the saved names), then recompute
         ``succ`` and ``prev_row`` from ``next_row``."""
         for name, value in saved.items():
-            self._tensors[name].copy_(value)
+            column = self._tensors[name]
+            assert column is not None, f"no column {name} to restore"
+            column.copy_(value)
         c = self._master
         rows = np.arange(c.next_row.shape[0])
         c.succ[:] = np.where(c.next_row >= 0, c.next_row, rows)
@@ -283,7 +291,7 @@ class RowLinks:
             c.prev_row[c.next_row[linked]] = linked
         self.version += 1
         if self._mirror is not None:
-            self._mirror.publish_all()
+            self._mirror.changed_all()
 
 
 # Bookkeeping bytes per row on the host: next_row, succ, episode, step, alloc (int64), end_kind
@@ -545,7 +553,8 @@ class EpisodeCore:
             self.anchors.remove_present(held)
             self.links.release(held)
             if self.priorities is not None:  # evicted steps leave the distribution at once
-                self.priorities.remove(torch.from_numpy(held).to(self.slots.storing_device))
+                device = self.slots.storing_device
+                self.priorities.remove(to_device_async(torch.from_numpy(held), device))
             if self.pinned:
                 self.quarantine.extend(reversed(rows))
             else:
@@ -856,7 +865,8 @@ class EpisodeCore:
             self._staged_links.clear()
 
     def flush(self) -> None:
-        """Write staged rows to storage and apply staged bookkeeping on the storing device."""
+        """Write staged rows to storage and apply the staged bookkeeping (on the host; a
+        device copy follows when read)."""
         self._write_staged()
         packed = self._packed
         if not packed.rows:
@@ -866,7 +876,7 @@ class EpisodeCore:
             starts = self.links.connect(*packed.links())
             self.anchors.add(starts)
             if self.priorities is not None:  # new steps enter at the current maximum
-                self.priorities.admit(starts.to(self.slots.storing_device))
+                self.priorities.admit(to_device_async(starts, self.slots.storing_device))
         self._packed = _Packed()  # only now: a failed write above keeps what it was to apply
 
     def clear(self) -> None:

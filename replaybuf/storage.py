@@ -287,10 +287,11 @@ class SlotStorage:
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
         # a TensorDict advanced-index assignment that costs ~200 µs even for one row, paid by
         # every read that follows an append: one index_copy_ per column instead.
-        slots = slots.to(self.storing_device)
+        device = self.storing_device
+        slots = to_device_async(slots, device)
         by_key = dict(zip(keys, values, strict=True))
         for key, column in self._leaves:
-            column.index_copy_(0, slots, by_key[key].to(self.storing_device))
+            column.index_copy_(0, slots, to_device_async(by_key[key], device))
         # Every TorchRL reader of the last cursor takes its last element: as an int it costs
         # TorchRL no tensor indexing and no .item() (a device sync on CUDA), ~10 µs a write.
         self._record_write(slots if last is None else last, slots)
@@ -467,6 +468,16 @@ class SlotStorage:
             index = stored.get(_TORCHRL_INDEX_KEY[0])
             index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
             self._index_known = max(self._index_known, rows)
+
+
+def to_device_async(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` on ``device``. Host values bound for CUDA go through pinned memory without
+    blocking: a copy from pageable memory waits for all the GPU's queued work first. PyTorch's
+    pinned allocator keeps the block until the copy has run, and ``value`` may be reused at
+    once (``pin_memory`` copied it)."""
+    if device.type != "cuda" or value.device.type != "cpu":
+        return value.to(device)
+    return value.pin_memory().to(device, non_blocking=True)
 
 
 def _tensordict(leaves: dict[Key, torch.Tensor]) -> TensorDict:

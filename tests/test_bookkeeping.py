@@ -5,6 +5,7 @@ storage takes; mirrored on the CPU here)."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -216,16 +217,22 @@ def test_a_repeated_batch_after_single_appends_links_each_episode_to_its_latest_
         assert observed == [0, 1, 9, 2, 3, 4]
 
 
-def test_a_repeated_batch_across_a_checkpoint_and_its_restore(tmp_path):
+@pytest.mark.parametrize("mirror", [False, True])
+def test_a_repeated_batch_across_a_checkpoint_and_its_restore(tmp_path, mirror):
     """Pinning for a checkpoint leaves the run as it was; a restored buffer has none and
-    checks the ids afresh; both go on storing the same steps."""
-    with SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf:
+    checks the ids afresh; both go on storing the same steps. Mirrored: the restore's device
+    copies follow the restored host columns."""
+    with (
+        mirrored() if mirror else contextlib.nullcontext(),
+        SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf,
+    ):
         ids = [buf.start_episode() for _ in range(3)]
         batch(buf, ids, 0)
         batch(buf, ids, 1)
         buf.save_checkpoint(tmp_path / "ck")  # pins, copies, unpins
         batch(buf, ids, 2)
         with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ck") as back:
+            assert (back._core.links._mirror is not None) == mirror
             assert back._core._run is None
             batch(back, ids, 2)
             batch(back, ids, 3)

@@ -2,8 +2,9 @@
 
 The random-program property test of ``test_episodes.py`` runs here with every placement that
 involves the GPU (every batch must arrive on the training device, then is checked on the CPU
-against the reference model); sampling from CUDA storage must not wait for the GPU (checked
-with ``torch.cuda.set_sync_debug_mode("error")``); priorities on CUDA follow the PER law;
+against the reference model); sampling from CUDA storage, also right after appends, must not
+wait for the GPU (checked with ``torch.cuda.set_sync_debug_mode("error")``); the row
+bookkeeping read on the GPU matches CPU storage's; priorities on CUDA follow the PER law;
 epochs from memmap storage reach a CUDA learner whole; checkpoints move between CUDA and CPU.
 Skipped without a CUDA device.
 """
@@ -170,6 +171,29 @@ def test_sampling_from_cuda_storage_never_waits_for_the_gpu(prioritized):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert batch["x"].device.type == "cuda"
+
+
+def test_appending_then_sampling_on_cuda_storage_never_waits_for_the_gpu():
+    # The first read after appends writes the staged rows and updates the bookkeeping's
+    # device copies: both go through pinned memory without blocking. (Not yet with
+    # prioritized replay: admitting new steps goes through the priority index's checked
+    # write, which reads its checks on the host.)
+    with filled_episodes("cuda") as buf:
+        running = 5  # the one episode filled_episodes leaves running, 30 steps
+        for fn in no_sync_calls(buf).values():
+            fn()  # first calls may allocate and build caches
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(30, 33):
+                buf.append_observation_action_reward(running, *step(running, t))
+            batch = buf.sample_n_step(64, n=3, gamma=0.9)
+            buf.append_observation_action_reward(running, *step(running, 33))
+            sequences = buf.sample_sequences(8, 20, strict=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert batch.device.type == sequences.device.type == "cuda"
+        assert buf.get_episode(running)["observation"].shape[0] == 34
 
 
 def test_cuda_and_cpu_storage_serve_the_same_n_step_values():

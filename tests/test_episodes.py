@@ -332,9 +332,12 @@ INDEX_PATHS = [
 )
 def test_discounted_returns_of_every_reward_dtype(make, reward, dtype, index_path, monkeypatch):
     monkeypatch.setenv(NUMBA_ENV, "0" if index_path == "numpy" else "1")  # read when built
-    buf = make(8)
-    if index_path == "torch":  # the index math CUDA storage runs (torch), here on the CPU
-        buf._core.links.host = None
+    if index_path == "torch":  # CUDA storage's path (device copies, torch index math)
+        with mirrored():
+            buf = make(8)
+        assert buf._core.links.host is None
+    else:
+        buf = make(8)
     e = buf.start_episode()
     for t in range(3):
         buf.append_observation_action_reward(e, float(t), 0, reward)
