@@ -40,18 +40,18 @@ class AnchorSet:
     @property
     def rows(self) -> torch.Tensor:
         """The packed rows (``[:count]`` hold the set) where draws read them, up to date."""
-        if self._mirror is None:
-            return self._rows
-        self._mirror.publish()
-        return self._mirror.table[0]
+        return self._read(0)
 
     @property
     def pos(self) -> torch.Tensor:
         """Each row's place in :attr:`rows` (-1: absent), beside :attr:`rows`."""
+        return self._read(1)
+
+    def _read(self, column: int) -> torch.Tensor:
         if self._mirror is None:
-            return self._pos
+            return (self._rows, self._pos)[column]
         self._mirror.publish()
-        return self._mirror.table[1]
+        return self._mirror.table[column]
 
     @property
     def nbytes(self) -> int:
