@@ -126,11 +126,17 @@ def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, fra
     assert host.anchors._mirror is None
     assert slow.links._mirror is not None
     assert slow.anchors._mirror is not None
+    assert_same_bookkeeping(host, slow)
+
+
+def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:
+    """Every links column, the anchor set (in draw order) and the free list agree, wherever
+    each core reads them (host, mirrored, or on a GPU)."""
     for name in COLUMNS:
-        a, b = getattr(host.links, name), getattr(slow.links, name)
+        a, b = getattr(core.links, name), getattr(other.links, name)
         assert (a is None and b is None) or a.tolist() == b.tolist(), name
-    assert torch.equal(host.anchors.snapshot(), slow.anchors.snapshot())
-    assert list(host.free) == list(slow.free)
+    assert torch.equal(core.anchors.snapshot().cpu(), other.anchors.snapshot().cpu())
+    assert list(core.free) == list(other.free)
 
 
 def test_a_batch_assigns_rows_as_single_appends_would():

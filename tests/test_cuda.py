@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from tensordict import TensorDictBase
-from test_bookkeeping import COLUMNS, run
+from test_bookkeeping import assert_same_bookkeeping, run
 from test_bookkeeping import ops as bookkeeping_ops
 from test_episodes import operations
 
@@ -113,11 +113,7 @@ def test_row_bookkeeping_read_on_cuda_matches_the_host_columns(ops_, frame_stack
     assert gpu.anchors._mirror is not None
     assert gpu.links.next_row.device.type == "cuda"
     assert gpu.anchors.rows.device.type == "cuda"
-    for name in COLUMNS:
-        a, b = getattr(host.links, name), getattr(gpu.links, name)
-        assert (a is None and b is None) or a.tolist() == b.tolist(), name
-    assert torch.equal(host.anchors.snapshot(), gpu.anchors.snapshot().cpu())
-    assert list(host.free) == list(gpu.free)
+    assert_same_bookkeeping(host, gpu)
 
 
 def filled_episodes(
