@@ -52,6 +52,7 @@ class FieldSpec(Mapping[Key, Field]):
     def __init__(self, fields: Mapping[Key, Field]) -> None:
         self._fields = dict(sorted(fields.items()))
         self._tree = _field_tree(self._fields)
+        self._groups: dict[tuple[str, ...], tuple[Key, ...]] = {}
 
     def __getitem__(self, key: Key) -> Field:
         return self._fields[key]
@@ -65,6 +66,14 @@ class FieldSpec(Mapping[Key, Field]):
     def __repr__(self) -> str:
         inner = ", ".join(f"{key_name(k)}: {f.describe()}" for k, f in self._fields.items())
         return f"FieldSpec({inner})"
+
+    def group(self, *names: str) -> tuple[Key, ...]:
+        """The keys under any of the top-level ``names``, in order (cached: sampling asks in
+        every batch, and the spec never changes)."""
+        keys = self._groups.get(names)
+        if keys is None:
+            keys = self._groups[names] = tuple(k for k in self._fields if k[0] in names)
+        return keys
 
     @property
     def row_bytes(self) -> int:

@@ -15,16 +15,18 @@ buffer). What TorchRL lacks is added here, by hand:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
@@ -143,6 +145,10 @@ class SlotStorage:
         self._index_known = 0
         self._direct = False  # set after the first write (see _after_first_write)
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
+        # numpy views of the columns when they live on the CPU (a dtype numpy lacks: absent),
+        # for the host sampling path: np.take and numpy slices cost ~1 µs less a call each
+        # than torch's index_select and slicing, and a batch makes a dozen such calls.
+        self._host_views: dict[Key, np.ndarray] = {}
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -168,6 +174,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
+        self._host_views = {}
         self._index_known = 0
         self._flat_names = None
         self._direct = False
@@ -328,6 +335,11 @@ class SlotStorage:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
         self._columns = dict(leaves)
+        self._host_views = {}
+        if self.storing_device.type == "cpu":
+            for key, value in leaves:
+                with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
+                    self._host_views[key] = value.numpy()
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this
@@ -369,7 +381,7 @@ class SlotStorage:
         self,
         slots: torch.Tensor,
         device: torch.device,
-        keys: list[Key] | None = None,
+        keys: Sequence[Key] | None = None,
         extra: dict[Key, torch.Tensor] | None = None,
     ) -> TensorDict:
         """Rows at ``slots`` (a long tensor on the storing device, or a ``slice`` of
@@ -381,9 +393,15 @@ class SlotStorage:
         leaves = self._leaves if keys is None else [(k, t) for k, t in self._leaves if k in keys]
         rows = _count(slots)
         if device == self.storing_device and isinstance(slots, torch.Tensor):
-            # Nothing to transfer: one index_select per field, without deliver's parts
-            # (~3 µs of a 40 µs W1 batch, and of every batch of an epoch).
-            values = [torch.index_select(t, 0, slots) for _, t in leaves]
+            # Nothing to transfer: one gather per field, without deliver's parts (~3 µs of a
+            # 40 µs W1 batch, and of every batch of an epoch); in numpy where every field has
+            # a numpy view (see _host_views).
+            views = [self._host_views.get(key) for key, _ in leaves]
+            if all(view is not None for view in views):
+                at = slots.numpy()
+                values = [torch.from_numpy(view.take(at, axis=0)) for view in views]
+            else:
+                values = [torch.index_select(t, 0, slots) for _, t in leaves]
         else:
             values = self.deliver([(t, slots) for _, t in leaves], device)
         if keys is None and self._flat_names is not None and _NEW_UNSAFE:
@@ -414,13 +432,18 @@ class SlotStorage:
             values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
         return values
 
-    def take(self, slots: torch.Tensor, keys: list[Key]) -> list[torch.Tensor]:
+    def take(self, slots: torch.Tensor, keys: Sequence[Key]) -> list[torch.Tensor]:
         """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
         return [torch.index_select(self._columns[key], 0, slots) for key in keys]
 
     def column(self, key: Key) -> torch.Tensor:
         """The whole stored column of one field (a view; the caller must not write into it)."""
         return self._columns[key]
+
+    def host_view(self, key: Key) -> np.ndarray | None:
+        """The column of ``key`` as a numpy view (the caller must not write into it), or None
+        where the storage is not on the CPU or numpy lacks the dtype."""
+        return self._host_views.get(key)
 
     def stored_bytes(self) -> int:
         """Bytes the allocated rows occupy (user fields and TorchRL's own index column)."""

@@ -246,6 +246,30 @@ def test_sample_batch_returns_batch_size_stored_rows_on_device(make_buffer, stor
     assert set(ids_of(batch)) <= set(range(5))
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["numpy-dtypes", "with-bfloat16"])
+def test_sample_batch_gathers_in_numpy_what_index_select_gathers(
+    make_buffer, storage, bf16, monkeypatch
+):
+    """On the CPU a batch is gathered in numpy (a bfloat16 field, which numpy lacks, sends it
+    through torch.index_select). Two buffers fed and seeded alike, one with its numpy views
+    hidden: the same batches, and changing a batch leaves storage as it was."""
+    data = rows(0, 6)
+    if bf16:
+        data["half"] = data["reward"].to(torch.bfloat16)
+    bufs = [make_buffer(8, storage=storage) for _ in range(2)]
+    for buf in bufs:
+        buf.add_batch(data)
+    monkeypatch.setattr(bufs[1]._slots, "_host_views", {})
+    for _ in range(3):
+        got, want = (buf.sample_batch(64) for buf in bufs)
+        assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
+        for key in want.keys(include_nested=True, leaves_only=True):
+            assert got[key].dtype == want[key].dtype, key
+            assert torch.equal(got[key], want[key]), key
+            got[key].zero_()
+    assert torch.equal(bufs[0].sample_by_index(list(range(6)))["obs"], data["obs"])
+
+
 def test_sample_batch_draws_with_replacement_beyond_the_stored_count(make_buffer, storage):
     buf = make_buffer(8, storage=storage)
     buf.add_batch(rows(0, 2))

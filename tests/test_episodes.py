@@ -673,6 +673,65 @@ def test_a_wide_append_batch_stores_exactly_what_per_step_appends_store(make, en
         assert list(a.free) == list(b.free)
 
 
+def _fill_every_end_kind(buf, extra=None) -> None:
+    """Nine episodes of 3-6 steps: ends of every kind, and episodes still running."""
+    for e in range(9):
+        ep = buf.start_episode()
+        for t in range(3 + e % 4):
+            o, a, r, x = step(ep, t)
+            if extra is not None:
+                x = {**x, "extra": extra(ep, t)}
+            buf.append_observation_action_reward(ep, o, a, r, extras=x)
+        if e % 3:
+            buf.end_episode(ep, "terminated" if e % 3 == 1 else "truncated", final_obs(ep, 9))
+
+
+@pytest.mark.parametrize("n", [1, 3, (1, 4)], ids=["n1", "n3", "random-n"])
+@pytest.mark.parametrize("storage", ["tensor", "memmap"])
+def test_numpy_gathers_give_the_batches_storage_delivery_gives(
+    make_episode_buffer, monkeypatch, n, storage
+):
+    """CPU storage sampled on the CPU gathers in numpy; two buffers fed and seeded alike, one
+    with its numpy views hidden (so SlotStorage.deliver gathers): the same batches, key for
+    key, dtype for dtype, and no field shares memory with storage."""
+    bufs = [make_episode_buffer(60, seed=3, storage=storage) for _ in range(2)]
+    for buf in bufs:
+        _fill_every_end_kind(buf)
+    slow = bufs[1]._core.slots
+    monkeypatch.setattr(slow, "host_view", lambda key: None)
+    delivered = {id(buf._core.slots): 0 for buf in bufs}
+    for buf in bufs:
+        slots = buf._core.slots
+        deliver = slots.deliver
+
+        def counted(parts, device, slots=slots, deliver=deliver):
+            delivered[id(slots)] += 1
+            return deliver(parts, device)
+
+        monkeypatch.setattr(slots, "deliver", counted)
+    batches = [[buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)] for buf in bufs]
+    assert delivered == {id(bufs[0]._core.slots): 0, id(slow): 3}
+    stored = [slow.column(key).numpy() for key in slow.spec]
+    for got, want in zip(*batches, strict=True):
+        assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
+        for key in want.keys(include_nested=True, leaves_only=True):
+            assert got[key].dtype == want[key].dtype, key
+            assert torch.equal(got[key], want[key]), key
+            assert not any(np.shares_memory(got[key].numpy(), column) for column in stored), key
+
+
+def test_a_column_numpy_lacks_samples_through_storage_delivery(make_episode_buffer):
+    """A bfloat16 field has no numpy view: its batches take SlotStorage.deliver, same values."""
+    buf = make_episode_buffer(60, seed=3)
+    _fill_every_end_kind(buf, lambda e, t: torch.tensor(e + t / 4, dtype=torch.bfloat16))
+    batch = buf.sample_n_step(32, n=2)
+    assert buf._core.slots.host_view(("extras", "extra")) is None
+    assert buf._core.slots.host_view(("observation",)) is not None
+    assert batch["extra"].dtype == torch.bfloat16
+    want = batch["episode_id"] + batch["start_step"] / 4
+    assert torch.equal(batch["extra"], want.to(torch.bfloat16))
+
+
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 @pytest.mark.parametrize("n", [1, 3, (1, 4)], ids=["n1", "n3", "random-n"])
 @pytest.mark.parametrize("frame_stack", [None, 2])
@@ -686,12 +745,7 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
         monkeypatch.setenv(NUMBA_ENV, flag)
         bufs.append(make_episode_buffer(60, seed=3, frame_stack=frame_stack))
     for buf in bufs:
-        for e in range(9):  # ends of every kind, and episodes still running
-            ep = buf.start_episode()
-            for t in range(3 + e % 4):
-                buf.append_observation_action_reward(ep, *step(ep, t))
-            if e % 3:
-                buf.end_episode(ep, "terminated" if e % 3 == 1 else "truncated", final_obs(ep, 9))
+        _fill_every_end_kind(buf)
     from replaybuf import kernels
 
     calls = []
