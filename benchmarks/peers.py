@@ -68,6 +68,7 @@ PIXELS = (4, 84, 84)
 FLOOR = "floor"
 RB_TENSOR, RB_MEMMAP = "replaybuf tensor", "replaybuf memmap"
 RB_FRAMES = "replaybuf frame_stack=4"  # W3: one frame stored per step, stacks rebuilt
+RB_LOCKSTEP = "replaybuf lockstep"  # W3: every episode written at once (a vector env's rows)
 CPPRB, SB3, TIANSHOU, TORCHRL = "cpprb", "sb3", "tianshou", "torchrl"
 FILL_CHUNK = 100_000
 
@@ -800,9 +801,14 @@ def replaybuf_pixels(
     frame_stack: bool = False,
     device: torch.device | str = "cpu",
     storing_device: torch.device | str = "cpu",
+    envs: int | None = None,
 ) -> Built:
     """replaybuf's episode buffer; ``frame_stack``: append each stack's newest frame only and
-    let ``frame_stack=4`` rebuild the stacks (the same observations come back)."""
+    let ``frame_stack=4`` rebuild the stacks (the same observations come back).
+
+    ``envs`` episodes are written at a time, a step of each per ``append_batch``: None, all of
+    them in lockstep (a vector env: an episode's rows lie ``count`` rows apart); 1, one
+    episode after another, in the order the floor and the peers store them."""
     stack = PIXELS[0] if frame_stack else None
     buf = SyncEpisodeReplayBuffer(
         count * length,
@@ -814,29 +820,37 @@ def replaybuf_pixels(
         seed=0,
         frame_stack=stack,
     )
-    es = torch.arange(count)
-    ids = [buf.start_episode() for _ in range(count)]
-    block = 50  # make observations 50 steps at a time (bounded memory)
-    for t0 in range(0, length, block):
-        t1 = min(length, t0 + block)
-        obs = frames.obs(es, t0, t1)
-        act, rew = pixel_action(es, t0, t1), pixel_reward(es, t0, t1)
+    group = count if envs is None else envs
+    for first in range(0, count, group):
+        es = torch.arange(first, min(count, first + group))
+        ids = [buf.start_episode() for _ in range(es.shape[0])]
+        block = 50  # make observations 50 steps at a time (bounded memory)
+        for t0 in range(0, length, block):
+            t1 = min(length, t0 + block)
+            obs = frames.obs(es, t0, t1)
+            act, rew = pixel_action(es, t0, t1), pixel_reward(es, t0, t1)
+            if frame_stack:
+                obs = obs[:, :, -1]  # [envs, steps, 84, 84]: the newest frame of each stack
+            for t in range(t1 - t0):
+                buf.append_batch(ids, obs[:, t], act[:, t], rew[:, t])
+        final = frames.obs(es, length, length + 1)[:, 0]
         if frame_stack:
-            obs = obs[:, :, -1]  # [count, steps, 84, 84]: the newest frame of each stack
-        for t in range(t1 - t0):
-            buf.append_batch(ids, obs[:, t], act[:, t], rew[:, t])
-    final = frames.obs(es, length, length + 1)[:, 0]
-    if frame_stack:
-        final = final[:, -1]
-    for e, episode in enumerate(ids):
-        buf.end_episode(episode, "terminated", final[e])
+            final = final[:, -1]
+        for e, episode in enumerate(ids):
+            buf.end_episode(episode, "terminated", final[e])
     buf.sample_n_step(1)  # writes the staged rows, so that stats() counts them
     if kind == "memmap":  # map every page once, as replaybuf_transitions does
         for episode in ids:
             buf.get_episode(episode)
     stats = buf.stats()
     return Built(
-        RB_FRAMES if frame_stack else RB_TENSOR if kind == "tensor" else RB_MEMMAP,
+        RB_FRAMES
+        if frame_stack
+        else RB_LOCKSTEP
+        if envs is None and count > 1
+        else RB_TENSOR
+        if kind == "tensor"
+        else RB_MEMMAP,
         lambda: buf.sample_n_step(batch, n=1),
         None,
         stats["bytes"],

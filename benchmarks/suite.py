@@ -19,6 +19,8 @@ Workloads (single-threaded, ``torch.set_num_threads(1)``; CPU; in-RAM storages u
 * W2  n-step (n=3, gamma=0.99) ``sample(256)`` from 1,000-step episodes, 1M stored, after a
       correctness check on toy episodes for every implementation (``nstep_check.py``);
 * W3  Atari-like u8[4,84,84] observations, 100k stored, ``sample(32)``; stored bytes/transition;
+      written one episode after another, as the floor and the peers store them (and, for
+      information, every episode at once, as a vector env writes them);
 * W4  inserts: one step per call (numpy inputs, as SB3's ``add`` gets them; sync also on
       torch tensors), ``append_batch`` of 64 envs, 1,000-row chunks;
 * W5  one shuffled epoch over 1M transitions in batches of 256;
@@ -244,11 +246,18 @@ def section_pixels(cfg: Config, scratch: Path) -> dict[str, Any]:
     floor = peers.floor_pixels(frames, count, length, PIXEL_BATCH)
     have = peers.available()
     makers: dict[str, Callable[[], peers.Built]] = {
+        # One episode after another, the order the floor and the peers store them in (an
+        # episode's rows are consecutive, so its next observations are the rows after)...
         peers.RB_TENSOR: lambda: peers.replaybuf_pixels(
-            frames, count, length, PIXEL_BATCH, scratch
+            frames, count, length, PIXEL_BATCH, scratch, envs=1
         ),
         peers.RB_FRAMES: lambda: peers.replaybuf_pixels(
-            frames, count, length, PIXEL_BATCH, scratch, frame_stack=True
+            frames, count, length, PIXEL_BATCH, scratch, frame_stack=True, envs=1
+        ),
+        # ... and every episode at once, a step of each per append_batch (a vector env: an
+        # episode's rows lie `count` rows apart).
+        peers.RB_LOCKSTEP: lambda: peers.replaybuf_pixels(
+            frames, count, length, PIXEL_BATCH, scratch
         ),
     }
     if have[peers.CPPRB]:
@@ -647,6 +656,22 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             rbb / payload <= 1.02,
         )
     )
+
+    if peers.RB_LOCKSTEP in p["pairs"]:
+        lp = p["pairs"][peers.RB_LOCKSTEP]
+        lf, lr = med(lp[peers.FLOOR]), med(lp[peers.RB_LOCKSTEP])
+        rows.append(
+            Row(
+                f"W3 sample({PIXEL_BATCH}), {cfg.w3_episodes} episodes written in lockstep",
+                micros(lf),
+                micros(lr),
+                lr / lf,
+                bcell,
+                tcell,
+                "(info: a vector env's interleaved rows)",
+                None,
+            )
+        )
 
     if peers.RB_FRAMES in p["pairs"]:  # the frame-stack deduplication the issue asks for
         fp = p["pairs"][peers.RB_FRAMES]
