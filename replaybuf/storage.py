@@ -146,9 +146,11 @@ class SlotStorage:
         self._direct = False  # set after the first write (see _after_first_write)
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         # numpy views of the columns when they live on the CPU (a dtype numpy lacks: absent),
-        # for the host sampling path: np.take and numpy slices cost ~1 µs less a call each
-        # than torch's index_select and slicing, and a batch makes a dozen such calls.
+        # for the host sampling paths: np.take and numpy slices cost ~1 µs less a call each
+        # than torch's index_select and slicing, and a batch makes a dozen such calls; on
+        # uint8 frames np.take also copies faster (frame-stacked batches: 11-17% less time).
         self._host_views: dict[Key, np.ndarray] = {}
+        self._host_by_column: dict[int, np.ndarray] = {}  # the same, by id of the column
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -174,7 +176,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
-        self._host_views = {}
+        self._host_views, self._host_by_column = {}, {}
         self._index_known = 0
         self._flat_names = None
         self._direct = False
@@ -335,11 +337,11 @@ class SlotStorage:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
         self._columns = dict(leaves)
-        self._host_views = {}
+        self._host_views, self._host_by_column = {}, {}
         if self.storing_device.type == "cpu":
             for key, value in leaves:
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
-                    self._host_views[key] = value.numpy()
+                    self._host_views[key] = self._host_by_column[id(value)] = value.numpy()
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this
@@ -425,6 +427,8 @@ class SlotStorage:
         through one pinned buffer and one non-blocking copy."""
         if self.storing_device.type == "cpu" and device.type == "cuda":
             return self._stager.deliver(parts, device)
+        if device == self.storing_device and self._host_by_column:
+            return [self._host_rows_of(t, rows) for t, rows in parts]
         values = [_rows_of(t, rows) for t, rows in parts]
         if device != self.storing_device:
             # Non-blocking only towards CUDA: a non-blocking copy to the CPU returns before
@@ -432,9 +436,19 @@ class SlotStorage:
             values = [v.to(device, non_blocking=device.type == "cuda") for v in values]
         return values
 
+    def _host_rows_of(
+        self, column: torch.Tensor, rows: torch.Tensor | slice | None
+    ) -> torch.Tensor:
+        """:func:`_rows_of`, gathered in numpy when ``column`` is a stored column with a numpy
+        view (see ``_host_views``)."""
+        view = self._host_by_column.get(id(column))
+        if view is None or not isinstance(rows, torch.Tensor):
+            return _rows_of(column, rows)
+        return torch.from_numpy(view.take(rows.numpy(), axis=0))
+
     def take(self, slots: torch.Tensor, keys: Sequence[Key]) -> list[torch.Tensor]:
         """The rows at ``slots`` of each field in ``keys``, on the storing device, in order."""
-        return [torch.index_select(self._columns[key], 0, slots) for key in keys]
+        return [self._host_rows_of(self._columns[key], slots) for key in keys]
 
     def column(self, key: Key) -> torch.Tensor:
         """The whole stored column of one field (a view; the caller must not write into it)."""
