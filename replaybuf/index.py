@@ -200,42 +200,42 @@ def full_sequence_starts(anchors: Array, length: int, succ: Array) -> Array:
     return chain[-1] != chain[-2]
 
 
-def stack_rows(
-    rows: torch.Tensor, k: int, prev_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_rows(rows: Array, k: int, prev_row: Array) -> tuple[Array, Array]:
     """The rows of the ``k``-frame stack ending at each of ``rows``, and which are real frames.
 
     Returns ``stacked [*rows.shape, k]`` (position k-1 is the row itself, position k-1-j the row
     j steps earlier in its episode, or the episode's first row where there is none) and
     ``real [*rows.shape, k]`` (False at those padding positions). k-1 chained gathers:
-    O(rows · k), whatever the number of stored rows.
+    O(rows · k), whatever the number of stored rows. Torch tensors or numpy arrays (the host
+    path, as :func:`nstep_windows`).
     """
+    xp = np if isinstance(rows, np.ndarray) else torch
     flat = rows.reshape(-1)
     cur = flat
-    held, real = [flat], [torch.ones_like(flat, dtype=torch.bool)]
+    held, real = [flat], [xp.ones_like(flat, dtype=bool)]
     for _ in range(k - 1):
-        prev = prev_row.index_select(0, cur)
+        prev = gather(prev_row, cur)
         has = prev >= 0  # False at the first row, and so at every position before it
-        cur = torch.where(has, prev, cur)
+        cur = xp.where(has, prev, cur)
         held.append(cur)
         real.append(has)
     shape = (*rows.shape, k)
-    stacked = torch.stack(held[::-1], 1).reshape(shape)  # [*rows, k], oldest first
-    return stacked, torch.stack(real[::-1], 1).reshape(shape)
+    stacked = xp.stack(held[::-1], 1).reshape(shape)  # [*rows, k], oldest first
+    return stacked, xp.stack(real[::-1], 1).reshape(shape)
 
 
-def stack_windows(
-    start: torch.Tensor, obs_rows: torch.Tensor, k: int, prev_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_windows(start: Array, obs_rows: Array, k: int, prev_row: Array) -> tuple[Array, Array]:
     """Rows from which the k-frame stacks of consecutive observations are cut, without overlap.
 
     ``obs_rows [B, P]`` are consecutive rows of one episode each, starting at ``start [B]``.
     Returns ``window [B, k - 1 + P]`` (the k-1 frames before ``start``, padded as in
     :func:`stack_rows`, then ``obs_rows``) and ``real`` of the same shape: the stack of
     ``obs_rows[:, p]`` is ``window[:, p : p + k]``. Gathering the window reads k-1+P frames per
-    row instead of k·P.
+    row instead of k·P. Torch tensors or numpy arrays, as :func:`stack_rows`.
     """
+    host = isinstance(start, np.ndarray)
+    cat = np.concatenate if host else torch.cat
     before, real = stack_rows(start, k, prev_row)  # [B, k]
-    ones = torch.ones_like(obs_rows, dtype=torch.bool)
-    window = torch.cat([before[:, : k - 1], obs_rows], 1)  # [B, k - 1 + P]
-    return window, torch.cat([real[:, : k - 1], ones], 1)
+    ones = (np if host else torch).ones_like(obs_rows, dtype=bool)
+    window = cat([before[:, : k - 1], obs_rows], 1)  # [B, k - 1 + P]
+    return window, cat([real[:, : k - 1], ones], 1)

@@ -52,7 +52,21 @@ def _zero(value: torch.Tensor) -> bool | int:
 
 def _pad(value: torch.Tensor, mask: torch.Tensor, fill: bool | int) -> torch.Tensor:
     """``value`` (``[B, L, ...]``) with ``fill`` wherever ``mask`` (``[B, L]``) is False."""
-    return torch.where(mask.reshape(*mask.shape, *[1] * (value.dim() - 2)), value, fill)
+    keep = mask.reshape(*mask.shape, *[1] * (value.dim() - 2))
+    return _kept_or_zero(keep, value) if not fill else torch.where(keep, value, fill)
+
+
+def _kept_or_zero(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A new tensor: ``value`` where ``keep`` (broadcast to it) is True, else zero.
+
+    Integer and bool values are multiplied by the mask, exact for them: on the CPU
+    ``torch.where`` (and ``masked_fill``) copy uint8 at ~1 GB/s, 3 ms for a padded
+    ``[8, 16, 4, 84, 84]`` sequence batch of frames, where the product takes ~0.1 ms.
+    Floats keep ``torch.where``: a product would turn a stored NaN or inf into NaN.
+    """
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return torch.where(keep, value, _zero(value))
+    return value * keep
 
 
 def _pad_in_place(value: torch.Tensor, pad: torch.Tensor, fill: bool | int) -> torch.Tensor:
@@ -68,19 +82,24 @@ def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) ->
     if core.frame_padding != "zero":
         return value
     keep = real.reshape(*real.shape, *([1] * (value.dim() - real.dim())))
-    return torch.where(keep, value, _zero(value))
+    return _kept_or_zero(keep, value)
 
 
-def _stacked_observations_at(core: EpisodeCore, rows: torch.Tensor) -> list[torch.Tensor]:
+def _stacked_observations_at(core: EpisodeCore, rows: Values) -> list[torch.Tensor]:
     """Each observation field's k-frame stacks at ``rows [N]`` (``frame_stack=k`` set), on the
-    storing device: ``[N, k, *field]``."""
+    storing device: ``[N, k, *field]``. The stack rows are found in numpy on the host."""
     keys = _keys(core, "observation")
     k = core.frame_stack
     assert k is not None, "only buffers with frame stacking rebuild stacks"
-    stacked, real = stack_rows(rows, k, core.links.prev_row)  # [N, k]
-    values = core.slots.take(stacked.reshape(-1), keys)  # [N * k, *field]
-    real = real.reshape(-1)
-    return [_zero_padding(core, v, real).reshape(*stacked.shape, *v.shape[1:]) for v in values]
+    host = core.links.host
+    if host is None:
+        stacked, real = stack_rows(_tensor(rows), k, core.links.prev_row)  # [N, k]
+    else:
+        rows = rows if isinstance(rows, np.ndarray) else rows.numpy()
+        stacked, real = stack_rows(rows, k, host.prev_row)
+    values = core.slots.take(_tensor(stacked.reshape(-1)), keys)  # [N * k, *field]
+    flat_real = _tensor(real.reshape(-1))
+    return [_zero_padding(core, v, flat_real).reshape(*stacked.shape, *v.shape[1:]) for v in values]
 
 
 def _stacked_observations(
@@ -94,7 +113,12 @@ def _stacked_observations(
     k = core.frame_stack
     if k is None:
         return core.slots.gather(obs_rows.reshape(-1), device, keys).reshape(batch, length)
-    window, real = stack_windows(start, obs_rows, k, core.links.prev_row)  # [B, k - 1 + P]
+    host = core.links.host
+    if host is None:
+        window, real = stack_windows(start, obs_rows, k, core.links.prev_row)  # [B, k - 1 + P]
+    else:  # the stack rows in numpy
+        window, real = stack_windows(start.numpy(), obs_rows.numpy(), k, host.prev_row)
+        window, real = torch.from_numpy(window), torch.from_numpy(real)
     frames = core.slots.gather(window.reshape(-1), device, keys).reshape(window.shape)
     real = real.to(device)
 
@@ -145,14 +169,13 @@ def nstep_batch(
     values = _host_nstep_values(core, start, ends, info, obs_keys, step_keys, batch, device)
     if values is not None:
         return build_tensordict(keys, values, batch, device)
-    ends, info = _tensor(ends), [_tensor(value) for value in info]
     slots = core.slots
     if core.frame_stack is None:
-        parts: list[Part] = [(slots.column(key), ends) for key in obs_keys]
+        parts: list[Part] = [(slots.column(key), _tensor(ends)) for key in obs_keys]
     else:
         parts = [(stacked, None) for stacked in _stacked_observations_at(core, ends)]
     parts += [(slots.column(key), start) for key in step_keys]
-    parts += [(value, None) for value in info]
+    parts += [(_tensor(value), None) for value in info]
     delivered = iter(slots.deliver(parts, device))  # one pinned transfer from CPU to CUDA
     values = []
     for _, both in zip(obs_keys, delivered):  # noqa: B905 (a prefix of delivered)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -767,3 +768,30 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
                 torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int64, torch.bool, torch.float32, torch.float64, torch.bfloat16]
+)
+def test_padding_zeroes_past_the_end_and_keeps_every_real_value(dtype):
+    """Sequence padding (``sampling._pad``): a new tensor, zero at padded steps, the stored
+    value elsewhere; a float NaN or inf at a real step stays (integers and bools are
+    multiplied by the mask, floats go through ``torch.where``)."""
+    from replaybuf.sampling import _pad
+
+    g = torch.Generator().manual_seed(0)
+    value = torch.randint(0, 200, (3, 5, 2, 4), generator=g).to(dtype)
+    if dtype.is_floating_point:
+        value[0, 0, 0, 0], value[0, 1, 0, 0] = float("nan"), float("inf")
+        value[2, 4, 0, 0] = float("nan")  # at a padded step: must become 0
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False], [True] * 4 + [False]])
+    out = _pad(value, mask, False if dtype == torch.bool else 0)
+    want = value.clone()  # the slow way: zero each padded step
+    for b, t in itertools.product(range(3), range(5)):
+        if not mask[b, t]:
+            want[b, t] = 0
+    assert out.dtype == dtype
+    assert out.data_ptr() != value.data_ptr()
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    ids = _pad(torch.arange(15).reshape(3, 5), mask, -1)  # episode ids pad with -1
+    assert ids[1].tolist() == [5, 6, -1, -1, -1]

@@ -14,6 +14,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from episode_helpers import (
@@ -82,13 +83,15 @@ def test_stack_rows_table_case():
     assert real1.tolist() == [[[True]]]
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["torch", "numpy"])
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 7), min_size=1, max_size=5),
     k=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
-def test_stack_rows_and_windows_match_the_plain_oracle(lengths, k, seed):
+def test_stack_rows_and_windows_match_the_plain_oracle(host, lengths, k, seed):
+    """On torch tensors and on numpy arrays (the host path): the same rows as the oracle."""
     capacity = sum(lengths) + 3
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(capacity, generator=g).tolist()  # episodes interleave in storage
@@ -98,7 +101,10 @@ def test_stack_rows_and_windows_match_the_plain_oracle(lengths, k, seed):
         at += n
     prev_row = prev_links(episodes, capacity)
     every = [r for rows in episodes for r in rows]
-    stacked, real = stack_rows(torch.tensor(every), k, prev_row)
+    arrays = (lambda t: t.numpy()) if host else (lambda t: t)
+    stacked, real = stack_rows(arrays(torch.tensor(every)), k, arrays(prev_row))
+    assert isinstance(stacked, np.ndarray) == host
+    assert isinstance(real, np.ndarray) == host
     for i, row in enumerate(every):
         want_rows, want_real = oracle_stack(episodes, row, k)
         assert stacked[i].tolist() == want_rows
@@ -109,8 +115,12 @@ def test_stack_rows_and_windows_match_the_plain_oracle(lengths, k, seed):
     obs_rows = torch.tensor(
         [rows[s : s + length] for rows, s in zip(episodes, starts, strict=True)]
     )
-    window, window_real = stack_windows(obs_rows[:, 0], obs_rows, k, prev_row)
+    window, window_real = stack_windows(
+        arrays(obs_rows[:, 0]), arrays(obs_rows), k, arrays(prev_row)
+    )
     assert window.shape == (len(episodes), k - 1 + length)
+    assert window.dtype == (np.int64 if host else torch.int64)
+    assert window_real.dtype == (np.bool_ if host else torch.bool)
     for b, p in itertools.product(range(len(episodes)), range(length)):
         want_rows, want_real = oracle_stack(episodes, int(obs_rows[b, p]), k)
         assert window[b, p : p + k].tolist() == want_rows
