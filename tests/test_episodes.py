@@ -774,10 +774,11 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
     "dtype", [torch.uint8, torch.int64, torch.bool, torch.float32, torch.float64, torch.bfloat16]
 )
 def test_padding_zeroes_past_the_end_and_keeps_every_real_value(dtype):
-    """Sequence padding (``sampling._pad``): a new tensor, zero at padded steps, the stored
-    value elsewhere; a float NaN or inf at a real step stays (integers and bools are
-    multiplied by the mask, floats go through ``torch.where``)."""
-    from replaybuf.sampling import _pad
+    """Sequence padding (``sampling._pad``: a new tensor; ``_pad_in_place``: into a fresh
+    gather): zero at padded steps, the stored value elsewhere; a float NaN or inf at a real
+    step stays (on the CPU integers and bools are multiplied by the mask, floats go through
+    ``torch.where`` / ``masked_fill_``)."""
+    from replaybuf.sampling import _pad, _pad_in_place
 
     g = torch.Generator().manual_seed(0)
     value = torch.randint(0, 200, (3, 5, 2, 4), generator=g).to(dtype)
@@ -793,5 +794,8 @@ def test_padding_zeroes_past_the_end_and_keeps_every_real_value(dtype):
     assert out.dtype == dtype
     assert out.data_ptr() != value.data_ptr()
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    fresh = value.clone()  # a fresh gather: padded in place
+    assert _pad_in_place(fresh, ~mask, False if dtype == torch.bool else 0) is fresh
+    torch.testing.assert_close(fresh, want, rtol=0, atol=0, equal_nan=True)
     ids = _pad(torch.arange(15).reshape(3, 5), mask, -1)  # episode ids pad with -1
     assert ids[1].tolist() == [5, 6, -1, -1, -1]
