@@ -9,6 +9,7 @@ exception: they take the field's dtype when the value survives the cast.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,35 @@ Key = tuple[str, ...]
 # Keys the buffers add to their own output; a user field with one of these names would be shadowed.
 RESERVED_KEYS = frozenset({"index"})
 _SCALARS = (bool, int, float, np.generic)
+
+
+@functools.cache
+def storable(dtype: torch.dtype) -> bool:
+    """Whether torch can write rows of ``dtype`` the way the storages do: ``index_put`` (TorchRL's
+    ``set``) and ``index_copy_`` (replaybuf's direct writes). Probed once per dtype, because
+    it depends on the torch build: 2.14 lacks them for uint16/32/64, float8 and the sub-byte
+    dtypes, which would otherwise fail inside TorchRL at the first flush."""
+    try:
+        column, row, rows = (
+            torch.zeros(2, dtype=dtype),
+            torch.zeros(1, dtype=dtype),
+            torch.tensor([1]),
+        )
+        column[rows] = row
+        column.index_copy_(0, rows, row)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def check_storable(dtype: torch.dtype, what: str) -> None:
+    """Raise :class:`SchemaError` naming ``what`` when rows of ``dtype`` cannot be stored."""
+    if not storable(dtype):
+        raise SchemaError(
+            f"{what} has dtype {dtype}, which this torch cannot write into storage rows "
+            "(index_put / index_copy_ are not implemented for it); store it as a wider "
+            "signed integer or a float dtype"
+        )
 
 
 def key_name(key: Key) -> str:
@@ -102,7 +132,9 @@ class FieldSpec(Mapping[Key, Field]):
             )
         fields: dict[Key, Field] = {}
         for key, value in _flatten_mapping(spec, (), what):
-            fields[key] = _declared_field(value, f"{what} field {key_name(key)!r}")
+            name = f"{what} field {key_name(key)!r}"
+            fields[key] = _declared_field(value, name)
+            check_storable(fields[key].dtype, name)
         return cls(fields)
 
     def to_json(self) -> dict[str, dict[str, Any]]:
@@ -313,6 +345,13 @@ def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Ke
 
 
 def _to_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: str) -> torch.Tensor:
+    tensor = _as_tensor(value, key, field, batched, what)
+    if field is None:  # a new field (a write that fixes the spec): its dtype must be storable
+        check_storable(tensor.dtype, f"{what}: field {key_name(key)!r}")
+    return tensor
+
+
+def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: str) -> torch.Tensor:
     name = key_name(key)
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":

@@ -13,7 +13,7 @@ from replay_helpers import ids_of, rows, transition, unchanged
 from tensordict import TensorDict
 
 from replaybuf import Field, FieldSpec, ReplayBuffer, SchemaError
-from replaybuf.schema import to_leaves
+from replaybuf.schema import storable, to_leaves
 
 
 def _row() -> dict:
@@ -189,6 +189,60 @@ def test_first_write_with_disagreeing_batch_dims_leaves_the_buffer_empty(make_bu
     assert buf.spec is None
     buf.add_batch({"other": torch.ones(2)})  # the failed write fixed no spec
     assert buf.sample_all()["other"].tolist() == [1.0, 1.0]
+
+
+# dtypes this torch cannot write into storage rows (uint16/32/64 and float8 in torch 2.14)
+UNSTORABLE = [
+    d for d in (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn) if not storable(d)
+]
+
+
+def test_every_common_dtype_is_storable():
+    """The probe itself: what buffers are written with every day passes it."""
+    common = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    common += (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64)
+    assert [d for d in common if not storable(d)] == []
+
+
+@pytest.mark.skipif(not UNSTORABLE, reason="this torch can store every probed dtype")
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["tensor", "numpy"])
+def test_a_first_write_of_a_dtype_storage_cannot_hold_raises_and_fixes_no_spec(
+    make_buffer, storage, as_numpy
+):
+    """Before, uint16 and the like failed inside TorchRL at the write, after the spec was
+    fixed; now the first write names the field and its dtype and leaves the buffer empty."""
+    for dtype in UNSTORABLE:
+        if as_numpy and dtype.is_floating_point:
+            continue  # numpy has no float8
+        buf = make_buffer(4, storage=storage)
+        bad = torch.zeros(2, 3, dtype=dtype)
+        value = (
+            torch.zeros(2, 3, dtype=torch.int64).numpy().astype(str(dtype)[6:]) if as_numpy else bad
+        )
+        with unchanged(buf), pytest.raises(SchemaError, match=rf"field 'code' has dtype {dtype}"):
+            buf.add_batch({"obs": torch.zeros(2, 4), "code": value})
+        assert buf.spec is None
+        buf.add_batch({"obs": torch.zeros(2, 4), "code": torch.ones(2, 3, dtype=torch.int64)})
+        assert buf.sample_all()["code"].sum().item() == 6
+        with pytest.raises(SchemaError, match=rf"spec field 'code' has dtype {dtype}"):
+            ReplayBuffer("cpu", "cpu", 4, storage=storage, spec={"code": ((3,), dtype)})
+
+
+def test_an_episode_step_of_a_dtype_storage_cannot_hold_raises_and_changes_nothing(
+    make_episode_buffer,
+):
+    if not UNSTORABLE:
+        pytest.skip("this torch can store every probed dtype")
+    buf = make_episode_buffer(16)
+    ep = buf.start_episode()
+    with pytest.raises(SchemaError, match=rf"field 'action' has dtype {UNSTORABLE[0]}"):
+        buf.append_observation_action_reward(
+            ep, torch.zeros(2), torch.ones((), dtype=UNSTORABLE[0]), 1.0
+        )
+    assert buf.stats()["steps"] == 0
+    for t in range(2):
+        buf.append_observation_action_reward(ep, torch.zeros(2), torch.tensor(t + 1), 1.0)
+    assert buf.sample_n_step(4)["action"].tolist() == [1, 1, 1, 1]
 
 
 def test_first_write_fixes_the_spec(make_buffer, storage):
