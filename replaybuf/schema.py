@@ -125,6 +125,8 @@ class FieldSpec(Mapping[Key, Field]):
         ``(shape, dtype)`` or an example tensor of one row. Raises ``ValueError`` naming the
         field for anything else."""
         if isinstance(spec, FieldSpec):
+            for key, field in spec.items():
+                check_storable(field.dtype, f"{what} field {key_name(key)!r}")
             return spec
         if not isinstance(spec, Mapping) or not spec:
             raise ValueError(

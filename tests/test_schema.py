@@ -224,8 +224,9 @@ def test_a_first_write_of_a_dtype_storage_cannot_hold_raises_and_fixes_no_spec(
         assert buf.spec is None
         buf.add_batch({"obs": torch.zeros(2, 4), "code": torch.ones(2, 3, dtype=torch.int64)})
         assert buf.sample_all()["code"].sum().item() == 6
-        with pytest.raises(SchemaError, match=rf"spec field 'code' has dtype {dtype}"):
-            ReplayBuffer("cpu", "cpu", 4, storage=storage, spec={"code": ((3,), dtype)})
+        for spec in ({"code": ((3,), dtype)}, FieldSpec({("code",): Field((3,), dtype)})):
+            with pytest.raises(SchemaError, match=rf"spec field 'code' has dtype {dtype}"):
+                ReplayBuffer("cpu", "cpu", 4, storage=storage, spec=spec)
 
 
 def test_an_episode_step_of_a_dtype_storage_cannot_hold_raises_and_changes_nothing(
