@@ -843,14 +843,14 @@ def replaybuf_pixels(
         for episode in ids:
             buf.get_episode(episode)
     stats = buf.stats()
+    if frame_stack:
+        name = RB_FRAMES
+    elif envs is None and count > 1:
+        name = RB_LOCKSTEP
+    else:
+        name = RB_TENSOR if kind == "tensor" else RB_MEMMAP
     return Built(
-        RB_FRAMES
-        if frame_stack
-        else RB_LOCKSTEP
-        if envs is None and count > 1
-        else RB_TENSOR
-        if kind == "tensor"
-        else RB_MEMMAP,
+        name,
         lambda: buf.sample_n_step(batch, n=1),
         None,
         stats["bytes"],

@@ -64,9 +64,14 @@ def _kept_or_zero(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     ``[8, 16, 4, 84, 84]`` sequence batch of frames, where the product takes ~0.1 ms.
     Floats keep ``torch.where``: a product would turn a stored NaN or inf into NaN.
     """
-    if value.dtype.is_floating_point or value.dtype.is_complex:
+    if not _exact_product(value):
         return torch.where(keep, value, _zero(value))
     return value * keep
+
+
+def _exact_product(value: torch.Tensor) -> bool:
+    """Whether multiplying ``value`` by a 0/1 mask is exact: integers and bools, not floats."""
+    return not (value.dtype.is_floating_point or value.dtype.is_complex)
 
 
 def _pad_in_place(value: torch.Tensor, pad: torch.Tensor, fill: bool | int) -> torch.Tensor:
@@ -75,7 +80,7 @@ def _pad_in_place(value: torch.Tensor, pad: torch.Tensor, fill: bool | int) -> t
     a scalar on CUDA (11 against 25 µs a call on an H100's host). On the CPU integer and bool
     values are multiplied by the mask instead, as in :func:`_kept_or_zero`."""
     pad = pad.reshape(*pad.shape, *[1] * (value.dim() - 2))
-    if not fill and value.is_cpu and not (value.dtype.is_floating_point or value.dtype.is_complex):
+    if not fill and value.is_cpu and _exact_product(value):
         return value.mul_(~pad)
     return value.masked_fill_(pad, fill)
 
@@ -240,16 +245,11 @@ def _window_values(
     runs it in torch, with no host synchronisation.
     """
     links, host = core.links, core.links.host
-    reward_column = core.slots.column(("reward",))
     compiled = core.kernels if host is not None else None
     rewards = core.slots.host_view(("reward",))  # None on CUDA storage, and for bfloat16
-    if (
-        compiled is not None
-        and rewards is not None
-        and rewards.ndim == 1
-        and rewards.dtype in _NUMPY_REWARD
-        and rewards.flags.c_contiguous
-    ):
+    if rewards is not None and (rewards.ndim != 1 or rewards.dtype not in _HOST_REWARD):
+        rewards = None  # summed by the torch path below
+    if compiled is not None and rewards is not None and rewards.flags.c_contiguous:
         # One compiled call for the ~25 numpy ones below (see replaybuf.kernels); the kernel
         # takes contiguous int64 anchors and n (no copy when they already are).
         each = _NO_N if isinstance(n_each, int) else n_each.numpy()
@@ -276,21 +276,21 @@ def _window_values(
         w = nstep_windows(at, each, n_max, host.succ, host.end_kind)
         step, episode = host.step[at], host.episode[at]
         ends = np.concatenate([at, w.last_row])
-    if host is not None and reward_column.dim() == 1 and reward_column.dtype in _HOST_REWARD:
-        reward = window_return(reward_column.numpy()[w.rows[:n_max]], w.valid, gamma)
+    if host is not None and rewards is not None:
+        reward = window_return(rewards[w.rows[:n_max]], w.valid, gamma)
     else:  # one gather of the rows of steps t..t+n-1 ([n, B]: contiguous, no copy)
+        reward_column = core.slots.column(("reward",))
         rows = torch.as_tensor(w.rows[:n_max])
-        rewards = reward_column.index_select(0, rows.reshape(-1))
-        rewards = rewards.reshape(n_max, *rows.shape[1:], *reward_column.shape[1:])
-        reward = window_return(rewards, torch.as_tensor(w.valid), gamma)
+        gathered = reward_column.index_select(0, rows.reshape(-1))
+        gathered = gathered.reshape(n_max, *rows.shape[1:], *reward_column.shape[1:])
+        reward = window_return(gathered, torch.as_tensor(w.valid), gamma)
     discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)
     return ends, [reward, w.terminal, w.truncated, w.cut, discount, w.m, step, episode]
 
 
 # Reward dtypes whose window sums run in numpy on the host path (numpy has no bfloat16, and
 # integer rewards sum into the default float dtype, as the torch path does).
-_HOST_REWARD = (torch.float32, torch.float64)
-_NUMPY_REWARD = (np.float32, np.float64)
+_HOST_REWARD = (np.float32, np.float64)
 _NO_N = np.empty(0, np.int64)  # the kernel's "every anchor walks n_max"
 
 

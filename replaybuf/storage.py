@@ -149,8 +149,8 @@ class SlotStorage:
         # for the host sampling paths: np.take and numpy slices cost ~1 µs less a call each
         # than torch's index_select and slicing, and a batch makes a dozen such calls; on
         # uint8 frames np.take also copies faster (frame-stacked batches: 11-17% less time).
-        self._host_views: dict[Key, np.ndarray] = {}
-        self._host_by_column: dict[int, np.ndarray] = {}  # the same, by id of the column
+        # Keyed by id of the column tensor (alive in _columns while the view is here).
+        self._host_views: dict[int, np.ndarray] = {}
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -176,7 +176,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
-        self._host_views, self._host_by_column = {}, {}
+        self._host_views = {}
         self._index_known = 0
         self._flat_names = None
         self._direct = False
@@ -337,11 +337,11 @@ class SlotStorage:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
         self._columns = dict(leaves)
-        self._host_views, self._host_by_column = {}, {}
+        self._host_views = {}
         if self.storing_device.type == "cpu":
-            for key, value in leaves:
+            for _, value in leaves:
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
-                    self._host_views[key] = self._host_by_column[id(value)] = value.numpy()
+                    self._host_views[id(value)] = value.numpy()
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this
@@ -398,7 +398,7 @@ class SlotStorage:
             # Nothing to transfer: one gather per field, without deliver's parts (~3 µs of a
             # 40 µs W1 batch, and of every batch of an epoch); in numpy where every field has
             # a numpy view (see _host_views).
-            views = [self._host_views.get(key) for key, _ in leaves]
+            views = [self._host_views.get(id(t)) for _, t in leaves]
             if all(view is not None for view in views):
                 at = slots.numpy()
                 values = [torch.from_numpy(view.take(at, axis=0)) for view in views]
@@ -427,7 +427,7 @@ class SlotStorage:
         through one pinned buffer and one non-blocking copy."""
         if self.storing_device.type == "cpu" and device.type == "cuda":
             return self._stager.deliver(parts, device)
-        if device == self.storing_device and self._host_by_column:
+        if device == self.storing_device and self._host_views:
             return [self._host_rows_of(t, rows) for t, rows in parts]
         values = [_rows_of(t, rows) for t, rows in parts]
         if device != self.storing_device:
@@ -441,7 +441,7 @@ class SlotStorage:
     ) -> torch.Tensor:
         """:func:`_rows_of`, gathered in numpy when ``column`` is a stored column with a numpy
         view (see ``_host_views``)."""
-        view = self._host_by_column.get(id(column))
+        view = self._host_views.get(id(column))
         if view is None or not isinstance(rows, torch.Tensor):
             return _rows_of(column, rows)
         return torch.from_numpy(view.take(rows.numpy(), axis=0))
@@ -457,7 +457,8 @@ class SlotStorage:
     def host_view(self, key: Key) -> np.ndarray | None:
         """The column of ``key`` as a numpy view (the caller must not write into it), or None
         where the storage is not on the CPU or numpy lacks the dtype."""
-        return self._host_views.get(key)
+        column = self._columns.get(key)
+        return None if column is None else self._host_views.get(id(column))
 
     def stored_bytes(self) -> int:
         """Bytes the allocated rows occupy (user fields and TorchRL's own index column)."""
