@@ -387,7 +387,7 @@ def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Ch
     obs_spec = _observation_spec(buffer) or saved.first_obs_spec
     at, zero = 0, 0
     for episode_id, agent, seq, end_kind, steps, has_final in saved.table:
-        episode = Episode(episode_id, agent, seq, rows=flat[at : at + steps], end_kind=end_kind)
+        episode = Episode(episode_id, agent, seq, own=flat[at : at + steps], end_kind=end_kind)
         at += steps
         if has_final:
             episode.final_row = flat[at]

@@ -81,12 +81,21 @@ class Episode:
     episode_id: int
     agent_id: str
     seq: int  # start order
-    # Rows of obs_0 .. obs_{steps-1}: int64, so that freeing them is a buffer copy, not a
-    # conversion of Python ints.
-    rows: array = field(default_factory=lambda: array("q"))
+    # Rows of obs_0 .. obs_{steps-1}, as far as settled (read :attr:`rows`): int64, so that
+    # freeing them is a buffer copy, not a conversion of Python ints.
+    own: array = field(default_factory=lambda: array("q"))
     final_row: int | None = None
     end_kind: int = END_NONE  # END_NONE while in progress
     final_observation: TensorDict | None = None  # only for episodes ended with zero steps
+    # The append_batch run this episode is in, which may hold rows not yet in ``own``.
+    run: _BatchRun | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def rows(self) -> array:
+        """Rows of obs_0 .. obs_{steps-1} (the batch run's pending rows settled first)."""
+        if self.run is not None:
+            self.run.settle_rows()
+        return self.own
 
     @property
     def steps(self) -> int:
@@ -563,7 +572,7 @@ class EpisodeCore:
         self.valid_steps -= episode.valid_steps
         del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
         if self.running.pop(episode.episode_id, None) is not None:
-            self._run = None
+            self._drop_run()
 
     def pin(self) -> None:
         """Start a snapshot: from now on no row in use is handed out again until :meth:`unpin`."""
@@ -651,9 +660,15 @@ class EpisodeCore:
             self.make_room(count, count, 0, {e.episode_id for e in episodes})  # may refuse
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = self._assign_rows(episodes)
-        # One slice per field; more environments than a stager holds (thousands, from EnvPool
-        # say) go through it in parts. No flush comes in between, so every assigned row is
-        # staged before one.
+        if stager.fits(count):  # the usual case: one slice per field
+            at = len(stager.rows)
+            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
+                column[at : at + count] = value
+            stager.rows.extend(rows)
+            return True
+        # More environments than the stager has room for (thousands, from EnvPool say) go
+        # through it in parts. No flush comes in between, so every assigned row is staged
+        # before one.
         for begin in range(0, count, stager.capacity):
             end = min(begin + stager.capacity, count)
             if not stager.fits(end - begin):
@@ -685,21 +700,22 @@ class EpisodeCore:
         rows = free[cut:]
         rows.reverse()  # the order count pops would hand them out in
         del free[cut:]
-        self._pack_staged()  # staged bookkeeping stays in staging order
-        packed, run = self._packed, self._run
+        run = self._run
         if run is not None and episodes is run.episodes and run.allocations == self.allocations:
-            # The same episodes as the last batch, and no row handed out since: every one has
-            # a previous step (that batch's row), and the run knows their ids and steps.
-            packed.add_rows(rows, run.ids, run.steps, self.allocations)
-            packed.sources.extend(run.last)
-            packed.targets.extend(rows)
-            owns, linked = run.owns, count
+            # The same episodes as the last batch, and no row handed out since: the run keeps
+            # the rows; their bookkeeping and each episode's row array follow from its batches
+            # later, a few numpy calls for many batches (_BatchRun.pack and settle_rows).
+            run.add(rows, self.allocations + count)
+            linked = count
         else:
+            self._drop_run()
+            self._pack_staged()  # staged bookkeeping stays in staging order
+            packed = self._packed
             # Lists from C-level maps, then array.fromlist: array("q", map(...)) costs twice that.
             owns = list(map(_ROWS, episodes))
             steps = array("q", list(map(len, owns)))
-            run = _BatchRun(episodes, owns, array("q", list(map(_EPISODE_ID, episodes))), steps)
-            packed.add_rows(rows, run.ids, steps, self.allocations)
+            ids = array("q", list(map(_EPISODE_ID, episodes)))
+            packed.add_rows(rows, ids, steps, self.allocations)
             if all(steps):  # every episode has a step to link from (all but their first calls)
                 packed.sources.fromlist(list(map(_LAST, owns)))
                 packed.targets.extend(rows)
@@ -709,12 +725,11 @@ class EpisodeCore:
                 packed.sources.fromlist([source for source, _ in had])
                 packed.targets.fromlist([target for _, target in had])
                 linked = len(had)
-            self._run = run
-        deque(map(array.append, owns, rows), maxlen=0)  # each episode's new row, in C
+            deque(map(array.append, owns, rows), maxlen=0)  # each episode's new row, in C
+            self._run = _BatchRun(episodes, ids, steps, rows, self.allocations + count)
         self.allocations += count
         self.steps += count
         self.valid_steps += linked
-        run.advance(rows, self.allocations)
         return rows
 
     def repeat_batch(self, episode_ids: list[Any]) -> list[Episode] | None:
@@ -799,7 +814,7 @@ class EpisodeCore:
     def _finish(self, episode: Episode, end_kind: int) -> None:
         episode.end_kind = end_kind
         del self.running[episode.episode_id]
-        self._run = None
+        self._drop_run()
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
 
     def _allocate(self) -> int:
@@ -856,13 +871,26 @@ class EpisodeCore:
         self._pack_staged()
 
     def _pack_staged(self) -> None:
-        """Move the staged bookkeeping from its lists into its int64 columns."""
+        """Move the staged bookkeeping from its lists and the batch run into its int64 columns."""
         if self._staged_meta:
             self._packed.add_flat_rows(self._staged_meta)
             self._staged_meta.clear()
         if self._staged_links:
             self._packed.add_flat_links(self._staged_links)
             self._staged_links.clear()
+        if self._run is not None:
+            self._run.pack(self._packed)
+
+    def _drop_run(self) -> None:
+        """End the batch run (an episode of it ended or went, or another batch came): its
+        pending batches go into the staged bookkeeping and their episodes' row arrays."""
+        run = self._run
+        if run is not None:
+            self._run = None
+            run.pack(self._packed)
+            run.settle_rows()
+            for episode in run.episodes:
+                episode.run = None
 
     def flush(self) -> None:
         """Write staged rows to storage and apply the staged bookkeeping (on the host; a
@@ -887,25 +915,79 @@ class EpisodeCore:
 
 
 _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
+# A batch run's rows are settled into its episodes' arrays at least this often (in batches),
+# which bounds the run's list of pending batches.
+_SETTLE_BATCHES = 256
+Ints = array | np.ndarray
 
 
 class _BatchRun:
-    """What the last ``append_batch`` knows of its episodes, so that the next batch of the
-    same episodes (a vectorized env between resets) skips the per-episode lookups: their ids,
-    row arrays, step counts and last rows. The core drops it when any episode in progress
-    ends or goes; its step counts and last rows hold while ``allocations`` matches the
-    core's (no row handed out since)."""
+    """The episodes of the last ``append_batch`` and the rows of later batches of the same
+    episodes (a vectorized env between resets), so that such a batch costs no per-episode
+    work: the core checks the ids once (:meth:`EpisodeCore.repeat_batch`) and keeps the new
+    rows here. Their bookkeeping (:meth:`pack`, at each write of the staged rows) and each
+    episode's row array (:meth:`settle_rows`, when read or every ``_SETTLE_BATCHES``) are
+    made later for many batches at once. Valid while ``allocations`` matches the core's (no
+    row handed out since); the core drops it when any episode in progress ends or goes."""
 
-    def __init__(self, episodes: list[Episode], owns: list[array], ids: array, steps: array):
-        self.episodes, self.owns, self.ids, self.steps = episodes, owns, ids, steps
-        self.episode_ids = ids.tolist()
-        self.last = array("q")
-        self.allocations = -1
+    def __init__(
+        self, episodes: list[Episode], ids: array, steps: array, rows: array, allocations: int
+    ) -> None:
+        self.episodes, self.episode_ids = episodes, ids.tolist()
+        self.ids = np.frombuffer(ids, np.int64)
+        # Each episode's step number in the first batch not yet packed; the rows of the last
+        # packed batch, which that batch links from.
+        self.steps = np.frombuffer(steps, np.int64) + 1
+        self.tail = rows
+        self.batches: list[array] = []  # rows of the later batches, oldest first
+        self.packed = 0  # of ``batches``, how many are in the staged bookkeeping
+        self.settled = 0  # ... and in their episodes' ``own`` arrays
+        self.allocations = allocations
+        for episode in episodes:
+            episode.run = self
 
-    def advance(self, rows: array, allocations: int) -> None:
-        """After a batch appended ``rows``: one step more each, as of the core's count."""
-        np.frombuffer(self.steps, np.int64)[:] += 1
-        self.last, self.allocations = rows, allocations
+    def add(self, rows: array, allocations: int) -> None:
+        """One more batch of rows (one per episode, in order); ``allocations``: the core's
+        count after it."""
+        self.batches.append(rows)
+        self.allocations = allocations
+
+    def pack(self, packed: _Packed) -> None:
+        """Add the bookkeeping of the batches not packed yet to ``packed``: each row's
+        episode, step and allocation, and the link from the previous batch's row."""
+        new = self.batches[self.packed :]
+        if not new:
+            return
+        count, batches = len(self.ids), len(new)
+        rows = np.frombuffer(b"".join(new), np.int64)
+        steps = self.steps + np.arange(batches, dtype=np.int64)[:, None]  # [batches, count]
+        episodes = np.empty_like(steps)
+        episodes[:] = self.ids
+        # The run's batches were the last rows handed out, one allocation each, in order.
+        first = self.allocations - (len(self.batches) - self.packed) * count
+        packed.add_rows(rows, episodes, steps, first)
+        packed.sources.extend(self.tail)
+        packed.sources.frombytes(_bytes(rows[:-count]))
+        packed.targets.frombytes(_bytes(rows))
+        self.steps += batches
+        self.tail, self.packed = new[-1], len(self.batches)
+        if self.packed >= _SETTLE_BATCHES:
+            self.settle_rows()
+
+    def settle_rows(self) -> None:
+        """Append the batches' rows to their episodes' ``own`` arrays; drop the batches that
+        are packed and settled."""
+        new = self.batches[self.settled :]
+        if new:
+            table = np.frombuffer(b"".join(new), np.int64).reshape(len(new), len(self.ids))
+            for episode, rows in zip(self.episodes, table.T.copy(), strict=True):
+                episode.own.frombytes(_bytes(rows))
+            self.settled = len(self.batches)
+        done = min(self.packed, self.settled)
+        if done:
+            del self.batches[:done]
+            self.packed -= done
+            self.settled -= done
 
 
 class _Packed:
@@ -917,15 +999,16 @@ class _Packed:
         self.ends, self.allocations = array("q"), array("q")
         self.sources, self.targets = array("q"), array("q")  # links: row -> next row
 
-    def add_rows(self, rows: array, episodes: array, steps: array, allocation: int) -> None:
-        """New rows of episodes in progress, allocated in order from ``allocation``."""
+    def add_rows(self, rows: Ints, episodes: Ints, steps: Ints, allocation: int) -> None:
+        """New rows of episodes in progress, allocated in order from ``allocation`` (int64
+        arrays or contiguous numpy arrays)."""
         count = len(rows)
-        self.rows.extend(rows)
-        self.episodes.extend(episodes)
-        self.steps.extend(steps)
+        self.rows.frombytes(_bytes(rows))
+        self.episodes.frombytes(_bytes(episodes))
+        self.steps.frombytes(_bytes(steps))
         self.ends.frombytes(bytes(8 * count))  # END_NONE
         numbers = np.arange(allocation, allocation + count, dtype=np.int64)
-        self.allocations.frombytes(numbers.tobytes())
+        self.allocations.frombytes(_bytes(numbers))
 
     def add_flat_rows(self, flat: list[int]) -> None:
         """New rows from the per-step list: 5 ints per row, in :class:`_Packed` column order."""
@@ -946,6 +1029,12 @@ class _Packed:
 
     def links(self) -> tuple[np.ndarray, np.ndarray]:
         return np.frombuffer(self.sources, np.int64), np.frombuffer(self.targets, np.int64)
+
+
+def _bytes(values: Ints) -> memoryview:
+    """The bytes of an int64 array or contiguous numpy array, as ``array.frombytes`` takes
+    them (a view, no copy)."""
+    return memoryview(values).cast("B")
 
 
 def _observation(leaves: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:

@@ -72,15 +72,18 @@ class Program:
                 lambda: self.ref.append([e], [o], [a], [r], [x]),  # noqa: B023
             )
 
-    def append_batch(self, picks: list[int]) -> None:
-        running = self.running()
-        ids = sorted({running[p % len(running)] for p in picks}) if running else []
-        if ids:
+    def append_batch(self, picks: list[int], repeats: int = 1) -> None:
+        """``repeats`` batches of the same episodes (a vectorized env's run of calls)."""
+        for _ in range(repeats):
+            running = self.running()
+            ids = sorted({running[p % len(running)] for p in picks}) if running else []
+            if not ids:
+                return
             steps = [step(e, self.ref.episodes[e].steps) for e in ids]
             args = batch_of(steps)
             self.both(
-                lambda: self.buf.append_batch(ids, *args),
-                lambda: self.ref.append(ids, *(list(col) for col in zip(*steps, strict=True))),
+                lambda: self.buf.append_batch(ids, *args),  # noqa: B023
+                lambda: self.ref.append(ids, *(list(col) for col in zip(*steps, strict=True))),  # noqa: B023
             )
 
     def end(self, pick: int, status: str) -> None:

@@ -116,9 +116,13 @@ def run(
 
 @pytest.mark.parametrize("frame_stack", [None, 2])
 @settings(max_examples=60, deadline=None)
-@given(ops_=ops)
-def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack):
-    with mock.patch("replaybuf.episodes._FLUSH_ROWS", 3):
+@given(ops_=ops, settle=st.sampled_from([1, 2, 256]))
+def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack, settle):
+    # settle: how many repeated batches a run holds before their rows go to their episodes.
+    with (
+        mock.patch("replaybuf.episodes._FLUSH_ROWS", 3),
+        mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
+    ):
         host = run(ops_, frame_stack)
         with mirrored():
             slow = run(ops_, frame_stack)
@@ -162,6 +166,48 @@ def test_a_batch_assigns_rows_as_single_appends_would():
     assert [[*e.rows] for e in bufs[0]._core.episodes.values()] == [
         [*e.rows] for e in bufs[1]._core.episodes.values()
     ]
+
+
+@pytest.mark.parametrize("settle", [3, 256])
+def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
+    """A run of repeated batches keeps their rows until read or settled: reads in the middle
+    (an episode's record, its step count) see every step, the run goes on after them, and
+    rows, links and contents end as one append per episode would leave them."""
+    envs, batches = 3, 40
+    bufs = [SyncEpisodeReplayBuffer(400, 8, storage="tensor", seed=0) for _ in range(2)]
+    ids = [[buf.start_episode() for _ in range(envs)] for buf in bufs]
+    with (
+        mock.patch("replaybuf.episodes._FLUSH_ROWS", 2 * envs),  # packed every 2 batches
+        mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
+    ):
+        for t in range(batches):
+            obs = np.arange(envs * 3, dtype=np.float32).reshape(envs, 3) + 10 * t
+            bufs[0].append_batch(ids[0], obs, np.full(envs, t), np.ones(envs, np.float32))
+            for i, episode in enumerate(ids[1]):
+                bufs[1].append_observation_action_reward(episode, obs[i], t, 1.0)
+            run = bufs[0]._core._run
+            assert run is not None
+            assert len(run.batches) <= settle + 2  # bounded, read or not
+            if t in (7, 8, 25):  # reads in the middle of the run, which goes on after them
+                assert bufs[0]._core.episodes[ids[0][1]].steps == t + 1
+                record = bufs[0].get_episode(ids[0][2])
+                assert record["observation"].shape == (t + 1, 3)
+                assert record["observation"][:, 0].tolist() == [6.0 + 10 * s for s in range(t + 1)]
+                assert bufs[0]._core._run is run  # still the same run
+    for buf in bufs:
+        assert_bookkeeping(buf._core)
+    for name in COLUMNS[:-1]:
+        assert torch.equal(getattr(bufs[0]._core.links, name), getattr(bufs[1]._core.links, name))
+    for a, b in zip(ids[0], ids[1], strict=True):
+        assert [*bufs[0]._core.episodes[a].rows] == [*bufs[1]._core.episodes[b].rows]
+        first, second = bufs[0].get_episode(a), bufs[1].get_episode(b)
+        for key in ("observation", "action", "reward"):
+            assert torch.equal(first[key], second[key]), key
+    # Ending one episode ends the run; the others' rows are all in their arrays by then.
+    bufs[0].end_episode(ids[0][0], "truncated", np.zeros(3, np.float32))
+    assert bufs[0]._core._run is None
+    assert all(e.run is None for e in bufs[0]._core.episodes.values())
+    assert_bookkeeping(bufs[0]._core)
 
 
 def batch(buf: SyncEpisodeReplayBuffer, ids: list, t: float = 0.0) -> None:
