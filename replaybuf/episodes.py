@@ -681,7 +681,9 @@ class EpisodeCore:
 
     def _assign_row(self, episode: Episode) -> int:
         """A free row for one new step of ``episode``, linked after its previous step."""
-        row, rows = self.free.pop(), episode.rows
+        # Not the property unless a batch run holds rows (a call less on the per-step path).
+        rows = episode.own if episode.run is None else episode.rows
+        row = self.free.pop()
         self._staged_meta += (row, episode.episode_id, len(rows), END_NONE, self.allocations)
         if rows:
             self._staged_links += (rows[-1], row)  # as _link, inline: once per step
