@@ -917,8 +917,8 @@ class EpisodeCore:
 
 
 _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
-# A batch run's rows are settled into its episodes' arrays at least this often (in batches),
-# which bounds the run's list of pending batches.
+# A batch run settles its rows into its episodes' arrays once this many batches are packed
+# (checked at each pack, i.e. each write of the staged rows), which bounds its pending list.
 _SETTLE_BATCHES = 256
 Ints = array | np.ndarray
 
