@@ -660,15 +660,9 @@ class EpisodeCore:
             self.make_room(count, count, 0, {e.episode_id for e in episodes})  # may refuse
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = self._assign_rows(episodes)
-        if stager.fits(count):  # the usual case: one slice per field
-            at = len(stager.rows)
-            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
-                column[at : at + count] = value
-            stager.rows.extend(rows)
-            return True
-        # More environments than the stager has room for (thousands, from EnvPool say) go
-        # through it in parts. No flush comes in between, so every assigned row is staged
-        # before one.
+        # One slice per field; more environments than a stager holds (thousands, from EnvPool
+        # say) go through it in parts. No flush comes in between, so every assigned row is
+        # staged before one.
         for begin in range(0, count, stager.capacity):
             end = min(begin + stager.capacity, count)
             if not stager.fits(end - begin):
@@ -873,15 +867,18 @@ class EpisodeCore:
         self._pack_staged()
 
     def _pack_staged(self) -> None:
-        """Move the staged bookkeeping from its lists and the batch run into its int64 columns."""
+        """Move the staged bookkeeping from the batch run and its lists into its int64 columns,
+        in staging order (which orders the anchor set, so seeded draws): the run's batches
+        come first, as the lists are packed when a run starts and a list entry hands out a
+        row, which ends the run's repeats."""
+        if self._run is not None:
+            self._run.pack(self._packed)
         if self._staged_meta:
             self._packed.add_flat_rows(self._staged_meta)
             self._staged_meta.clear()
         if self._staged_links:
             self._packed.add_flat_links(self._staged_links)
             self._staged_links.clear()
-        if self._run is not None:
-            self._run.pack(self._packed)
 
     def _drop_run(self) -> None:
         """End the batch run (an episode of it ended or went, or another batch came): its
@@ -928,9 +925,10 @@ class _BatchRun:
     episodes (a vectorized env between resets), so that such a batch costs no per-episode
     work: the core checks the ids once (:meth:`EpisodeCore.repeat_batch`) and keeps the new
     rows here. Their bookkeeping (:meth:`pack`, at each write of the staged rows) and each
-    episode's row array (:meth:`settle_rows`, when read or every ``_SETTLE_BATCHES``) are
-    made later for many batches at once. Valid while ``allocations`` matches the core's (no
-    row handed out since); the core drops it when any episode in progress ends or goes."""
+    episode's row array (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are
+    packed) are made later for many batches at once. Valid while ``allocations`` matches the
+    core's (no row handed out since); the core drops it when any episode in progress ends or
+    goes."""
 
     def __init__(
         self, episodes: list[Episode], ids: array, steps: array, rows: array, allocations: int

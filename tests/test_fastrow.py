@@ -14,7 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
@@ -180,6 +180,9 @@ def batch_values_of(kind: str, rng: np.random.Generator, envs: int):
     envs=st.integers(1, 4),
     max_steps=st.sampled_from([9, 24, 128]),
 )
+# A batch run's bookkeeping packed after a full stager's write on one path and after the
+# final row's on the other: the anchor order, so the seeded draws, differed.
+@example(kinds=["numpy", "numpy", "end"], seed=0, envs=1, max_steps=9)
 def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, max_steps):
     """append_batch's fast path (values sliced into the staging columns, rows assigned in one
     loop), including batches that evict first, against the general path."""
