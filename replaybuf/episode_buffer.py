@@ -225,7 +225,10 @@ class SyncEpisodeReplayBuffer:
     ) -> None:
         """One step for each of several episodes (a vectorized env); leading dim = episodes."""
         self._check_open()
-        ids = list(episode_ids)
+        # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
+        # that repeated calls take the cached run (it compares plain ints).
+        integers = type(episode_ids) is np.ndarray and episode_ids.dtype.kind in "iu"
+        ids = episode_ids.tolist() if integers else list(episode_ids)
         core = self._core
         episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
         if episodes is None:

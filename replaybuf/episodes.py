@@ -348,6 +348,8 @@ class EpisodeCore:
         # replaybuf.kernels for the n-step index math on CPU storage (None: numpy), chosen and
         # loaded (on a fresh install: compiled) here, not at the first sample.
         self.kernels = compiled_kernels() if device.type == "cpu" else None
+        if self.kernels is not None:  # rows of interleaved episodes land all over the columns
+            slots.row_scatter = self.kernels.scatter_rows
         self.anchors = AnchorSet(capacity, device)
         # The free rows, popped from the end (row 0 first); an int64 array, not a list of Python
         # ints (36 bytes a row: 360 MB at 10M rows).
@@ -667,10 +669,10 @@ class EpisodeCore:
             end = min(begin + stager.capacity, count)
             if not stager.fits(end - begin):
                 self._write_staged()
-            at = len(stager.rows)
+            at, whole = len(stager.rows), end - begin == count  # whole: no slicing (~0.5 µs)
             for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
-                column[at : at + end - begin] = value[begin:end]
-            stager.rows.extend(rows[begin:end])
+                column[at : at + end - begin] = value if whole else value[begin:end]
+            stager.rows.extend(rows if whole else rows[begin:end])
         return True
 
     def _assign_row(self, episode: Episode) -> int:
@@ -735,7 +737,7 @@ class EpisodeCore:
         if (
             run is not None
             # Plain ints first: True == 1 and 1.0 == 1, and comparing arrays raises.
-            and set(map(type, episode_ids)) == {int}
+            and list(map(type, episode_ids)).count(int) == len(episode_ids)
             and episode_ids == run.episode_ids
         ):
             return run.episodes
@@ -859,20 +861,30 @@ class EpisodeCore:
             )
             self._pack_staged()
 
-    def _write_staged(self) -> None:
+    def _write_staged(self, whole_run: bool = False) -> None:
+        """Write the staged rows; pack the staged bookkeeping (a batch run's only once
+        ``_PACK_BATCHES`` of its batches wait, unless ``whole_run``: see :meth:`_pack_staged`)."""
         if self._stager is not None and len(self._stager):
             last = self._stager.rows[-1]
             slots, values = self._stager.drain()
-            self.slots.write_rows(slots, self._stager.keys, values, last)
-        self._pack_staged()
+            self.slots.write_rows(slots, self._stager.keys, values, last, self._stager.bytes)
+        self._pack_staged(whole_run)
 
-    def _pack_staged(self) -> None:
+    def _pack_staged(self, whole_run: bool = True) -> None:
         """Move the staged bookkeeping from the batch run and its lists into its int64 columns,
         in staging order (which orders the anchor set, so seeded draws): the run's batches
         come first, as the lists are packed when a run starts and a list entry hands out a
-        row, which ends the run's repeats."""
-        if self._run is not None:
-            self._run.pack(self._packed)
+        row, which ends the run's repeats. Unless ``whole_run`` or the lists hold entries,
+        the run's batches stay until ``_PACK_BATCHES`` wait: a pack costs ~20 µs whatever its
+        size, and only :meth:`flush` reads the packed columns."""
+        run = self._run
+        if run is not None and (
+            whole_run
+            or self._staged_meta
+            or self._staged_links
+            or len(run.batches) - run.packed >= _PACK_BATCHES
+        ):
+            run.pack(self._packed)
         if self._staged_meta:
             self._packed.add_flat_rows(self._staged_meta)
             self._staged_meta.clear()
@@ -894,7 +906,7 @@ class EpisodeCore:
     def flush(self) -> None:
         """Write staged rows to storage and apply the staged bookkeeping (on the host; a
         device copy follows when read)."""
-        self._write_staged()
+        self._write_staged(whole_run=True)
         packed = self._packed
         if not packed.rows:
             return
@@ -914,8 +926,10 @@ class EpisodeCore:
 
 
 _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
-# A batch run settles its rows into its episodes' arrays once this many batches are packed
-# (checked at each pack, i.e. each write of the staged rows), which bounds its pending list.
+# A batch run's batches are packed at a write of the staged rows once this many wait (and at
+# every flush); it settles their rows into its episodes' arrays once this many are packed
+# (checked at each pack), which bounds its pending list.
+_PACK_BATCHES = 32
 _SETTLE_BATCHES = 256
 Ints = array | np.ndarray
 
@@ -924,8 +938,8 @@ class _BatchRun:
     """The episodes of the last ``append_batch`` and the rows of later batches of the same
     episodes (a vectorized env between resets), so that such a batch costs no per-episode
     work: the core checks the ids once (:meth:`EpisodeCore.repeat_batch`) and keeps the new
-    rows here. Their bookkeeping (:meth:`pack`, at each write of the staged rows) and each
-    episode's row array (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are
+    rows here. Their bookkeeping (:meth:`pack`, at a flush or once ``_PACK_BATCHES`` wait)
+    and each episode's row array (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are
     packed) are made later for many batches at once. Valid while ``allocations`` matches the
     core's (no row handed out since); the core drops it when any episode in progress ends or
     goes."""

@@ -41,6 +41,8 @@ class RowStager:
         self.arrays: list[np.ndarray] | None = None
         with contextlib.suppress(TypeError):
             self.arrays = [column.numpy() for column in self.columns]
+        # The columns' bytes, for the compiled scatter into storage (SlotStorage.write_rows).
+        self.bytes = [row_bytes(column) for column in self.columns]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -72,3 +74,12 @@ class RowStager:
         # it as its last cursor): that array is never touched again; staging starts a new one.
         self.rows = array("q")
         return slots, [c[:count] for c in self.columns]
+
+
+def row_bytes(tensor: torch.Tensor) -> np.ndarray | None:
+    """A contiguous CPU ``tensor`` (``[rows, ...]``, any dtype) as a ``[rows, row bytes]``
+    uint8 numpy view, what :func:`replaybuf.kernels.scatter_rows` takes; None for a row of
+    no bytes."""
+    if tensor.numel() == 0:
+        return None
+    return tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()

@@ -33,6 +33,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayB
 
 from replaybuf.errors import InsufficientSpaceError
 from replaybuf.schema import FieldSpec, Key
+from replaybuf.staging import row_bytes
 
 StorageKind = Literal["memmap", "tensor"]
 STORAGE_CHOICES = ("auto", "memmap", "tensor")
@@ -151,6 +152,11 @@ class SlotStorage:
         # uint8 frames np.take also copies faster (frame-stacked batches: 11-17% less time).
         # Keyed by id of the column tensor (alive in _columns while the view is here).
         self._host_views: dict[int, np.ndarray] = {}
+        # A compiled row scatter (replaybuf.kernels.scatter_rows) that write_rows uses on CPU
+        # storage instead of index_copy_, set by the episode core (whose rows land all over the
+        # columns); with it, each column's bytes as [slots, row bytes] (None: a row of no bytes).
+        self.row_scatter: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
+        self._row_bytes: dict[Key, np.ndarray | None] | None = None
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -177,6 +183,7 @@ class SlotStorage:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
         self._host_views = {}
+        self._row_bytes = None
         self._index_known = 0
         self._flat_names = None
         self._direct = False
@@ -286,12 +293,24 @@ class SlotStorage:
         keys: list[Key],
         values: list[torch.Tensor],
         last: int | None = None,
+        staged: list[np.ndarray | None] | None = None,
     ) -> None:
         """:meth:`write` from flat keys and ``[rows, ...]`` values (every stored key); ``last``:
-        the last slot, when the caller knows it on the host."""
+        the last slot, when the caller knows it on the host; ``staged``: the values' host
+        buffers as :func:`row_bytes` views (``[slots.shape[0]`` or more rows, row bytes]), for
+        the compiled scatter (:attr:`row_scatter`)."""
         if not self._direct:
             rows = slots.shape[0]
             self._write_through_torchrl(slots, build_tensordict(keys, values, rows, _CPU))
+            return
+        if staged is not None and self._row_bytes is not None and self.row_scatter is not None:
+            at = slots.numpy()
+            by_key = dict(zip(keys, staged, strict=True))
+            for key, column in self._row_bytes.items():
+                source = by_key[key]
+                if column is not None and source is not None:
+                    self.row_scatter(column, source, at)
+            self._record_write(slots if last is None else last, slots)
             return
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
         # a TensorDict advanced-index assignment that costs ~200 µs even for one row, paid by
@@ -338,10 +357,13 @@ class SlotStorage:
         self._leaves = leaves
         self._columns = dict(leaves)
         self._host_views = {}
+        self._row_bytes = None
         if self.storing_device.type == "cpu":
             for _, value in leaves:
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
                     self._host_views[id(value)] = value.numpy()
+            if self.row_scatter is not None and all(v.is_contiguous() for _, v in leaves):
+                self._row_bytes = {key: row_bytes(value) for key, value in leaves}
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this

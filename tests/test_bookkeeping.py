@@ -116,11 +116,15 @@ def run(
 
 @pytest.mark.parametrize("frame_stack", [None, 2])
 @settings(max_examples=60, deadline=None)
-@given(ops_=ops, settle=st.sampled_from([1, 2, 256]))
-def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack, settle):
-    # settle: how many repeated batches a run holds before their rows go to their episodes.
+@given(ops_=ops, settle=st.sampled_from([1, 2, 256]), pack=st.sampled_from([1, 2, 32]))
+def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(
+    ops_, frame_stack, settle, pack
+):
+    # settle: how many repeated batches a run holds before their rows go to their episodes;
+    # pack: how many wait before a write of the staged rows packs their bookkeeping.
     with (
         mock.patch("replaybuf.episodes._FLUSH_ROWS", 3),
+        mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
         host = run(ops_, frame_stack)
@@ -168,8 +172,32 @@ def test_a_batch_assigns_rows_as_single_appends_would():
     ]
 
 
-@pytest.mark.parametrize("settle", [3, 256])
-def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
+def test_ids_in_an_integer_array_take_the_cached_run_and_bad_arrays_are_refused():
+    """A vector env keeping its episode ids in a numpy array: repeated calls skip the lookup
+    as a list of ints does and store the same; bool, float and 2-D id arrays are refused,
+    naming the id, and change nothing."""
+    bufs = [SyncEpisodeReplayBuffer(40, 8, storage="tensor", seed=0) for _ in range(2)]
+    for buf in bufs:
+        ids = [buf.start_episode() for _ in range(3)]  # the same ids in both
+    for t in range(4):
+        for buf, given_ids in zip(bufs, (np.array(ids), ids), strict=True):
+            lookup = mock.patch.object(buf._core, "in_progress_all", side_effect=AssertionError)
+            with lookup if t == 3 else contextlib.nullcontext():  # by then a repeat: no lookup
+                batch(buf, given_ids, float(t))
+    for bad in (np.array([True, False, True]), np.array(ids, np.float64), np.array(ids)[:, None]):
+        before = bufs[0]._core.steps
+        with pytest.raises(EpisodeStateError, match="episode_id must be an int"):
+            batch(bufs[0], bad)
+        assert bufs[0]._core.steps == before
+    for episode in ids:
+        assert [*bufs[0]._core.episodes[episode].rows] == [*bufs[1]._core.episodes[episode].rows]
+        first, second = (buf.get_episode(episode)["observation"] for buf in bufs)
+        assert first[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(("settle", "pack"), [(3, 1), (3, 4), (256, 32)])
+def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle, pack):
     """A run of repeated batches keeps their rows until read or settled: reads in the middle
     (an episode's record, its step count) see every step, the run goes on after them, and
     rows, links and contents end as one append per episode would leave them."""
@@ -177,7 +205,8 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
     bufs = [SyncEpisodeReplayBuffer(400, 8, storage="tensor", seed=0) for _ in range(2)]
     ids = [[buf.start_episode() for _ in range(envs)] for buf in bufs]
     with (
-        mock.patch("replaybuf.episodes._FLUSH_ROWS", 2 * envs),  # packed every 2 batches
+        mock.patch("replaybuf.episodes._FLUSH_ROWS", 2 * envs),  # written every 2 batches
+        mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
         for t in range(batches):
@@ -187,7 +216,7 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
                 bufs[1].append_observation_action_reward(episode, obs[i], t, 1.0)
             run = bufs[0]._core._run
             assert run is not None
-            assert len(run.batches) <= settle + 2  # bounded, read or not
+            assert len(run.batches) <= settle + pack + 2  # bounded, read or not
             if t in (7, 8, 25):  # reads in the middle of the run, which goes on after them
                 assert bufs[0]._core.episodes[ids[0][1]].steps == t + 1
                 record = bufs[0].get_episode(ids[0][2])

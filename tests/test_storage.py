@@ -13,12 +13,16 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from replay_helpers import ids_of, rows, unchanged
 
 import replaybuf.storage
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
+from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
 
@@ -374,3 +378,105 @@ def test_torchrl_s_index_column_holds_each_slot_through_wraps_resets_and_loads(
         ids = sample["obs"][:, 0].long()  # row k was written to slot k % 10
         assert torch.equal(ids % 10, sample["index"])
         assert bool(((ids >= written - 10) & (ids < written)).all())
+
+
+NO_KERNELS = kernels_unavailable_reason()
+SCATTER_DTYPES = [torch.uint8, torch.bool, torch.int64, torch.float32, torch.bfloat16]
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(SCATTER_DTYPES),
+    shape=st.sampled_from([(), (1,), (3,), (2, 5), (4, 3, 3)]),
+    slots=st.integers(1, 40),
+    data=st.data(),
+)
+def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, shape, slots, data):
+    """kernels.scatter_rows on row_bytes views against the slow obvious way (one row at a
+    time), for every dtype and row shape; rows it does not name keep their bytes."""
+    from replaybuf import kernels
+    from replaybuf.staging import row_bytes
+
+    rows = data.draw(st.lists(st.integers(0, slots - 1), max_size=slots, unique=True))
+    g = torch.Generator().manual_seed(len(rows))
+    column = (torch.randn(slots, *shape, generator=g) * 50).to(dtype)
+    staged = (torch.randn(len(rows) + 2, *shape, generator=g) * 50).to(dtype)  # spare rows
+    want = column.clone()
+    for i, row in enumerate(rows):
+        want[row] = staged[i]
+    kernels.scatter_rows(row_bytes(column), row_bytes(staged), np.array(rows, dtype=np.int64))
+    assert torch.equal(column.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_the_compiled_row_scatter_refuses_a_slot_out_of_range_and_writes_nothing():
+    from replaybuf import kernels
+    from replaybuf.staging import row_bytes
+
+    column, staged = torch.zeros(4, 3), torch.ones(3, 3)
+    for bad in (4, -1):
+        with pytest.raises(IndexError, match="slot out of range"):
+            kernels.scatter_rows(
+                row_bytes(column), row_bytes(staged), np.array([0, bad, 1], dtype=np.int64)
+            )
+        assert torch.equal(column, torch.zeros(4, 3))
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@pytest.mark.parametrize("storage", ["tensor", "memmap"])
+def test_episode_rows_written_through_the_compiled_scatter_equal_index_copy_s(
+    make_episode_buffer, monkeypatch, storage
+):
+    """Two buffers fed alike, one writing its staged rows through kernels.scatter_rows and
+    one through index_copy_ (REPLAYBUF_NUMBA=0): every stored column is the same, byte for
+    byte, over batches, single steps, ends and evictions, in every dtype."""
+    from replaybuf import kernels
+
+    bufs = []
+    for flag in ("1", "0"):  # chosen when a buffer is built
+        monkeypatch.setenv(NUMBA_ENV, flag)
+        bufs.append(make_episode_buffer(40, 8, storage=storage))
+    calls = []
+    scatter = kernels.scatter_rows
+    monkeypatch.setattr(kernels, "scatter_rows", lambda *a: calls.append(1) or scatter(*a))
+    bufs[0]._core.slots.row_scatter = kernels.scatter_rows  # (the core took it when built)
+    g = torch.Generator().manual_seed(0)
+
+    def step(n: int) -> tuple:
+        return (
+            torch.randint(0, 255, (n, 2, 3, 3), generator=g, dtype=torch.uint8),
+            torch.randint(-5, 5, (n,), generator=g),
+            torch.randn(n, generator=g),
+            {
+                "flag": torch.rand(n, generator=g) > 0.5,
+                "half": torch.randn(n, 2, generator=g).bfloat16(),
+            },
+        )
+
+    for buf in bufs:
+        g.manual_seed(0)
+        for _ in range(3):
+            ids = [buf.start_episode() for _ in range(3)]
+            for _ in range(9):
+                obs, action, reward, extras = step(3)
+                buf.append_batch(ids, obs, action, reward, extras)
+            obs, action, reward, extras = step(1)
+            buf.append_observation_action_reward(
+                ids[0], obs[0], action[0], reward[0], {k: v[0] for k, v in extras.items()}
+            )
+            for episode in ids:
+                buf.end_episode(episode, "truncated", step(1)[0][0])
+        buf._core.flush()
+    assert bufs[0].stats()["evicted_episodes"] > 0
+    assert calls  # the first buffer's flushes took the kernel ...
+    # Rows ever handed out (an allocation number; the others were never written).
+    written = bufs[1]._core.links.alloc >= 0
+    assert torch.equal(bufs[0]._core.links.alloc >= 0, written)
+    assert 0 < int(written.sum()) < written.shape[0]
+    stored = [buf.memory.storage._storage for buf in bufs]
+    keys = list(stored[1].keys(include_nested=True, leaves_only=True))
+    assert len(keys) == 5  # ... and every field is compared
+    for key in keys:
+        got, want = (column[key][written].view(torch.uint8) for column in stored)
+        assert torch.equal(got, want), key
