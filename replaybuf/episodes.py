@@ -70,7 +70,11 @@ RETURNED_KEYS = frozenset(
 )
 _NUMBERS = (bool, int, float, np.number, np.bool_)
 _EPISODE_ID_TYPES = (int, np.integer)
-_FLUSH_ROWS = 512  # staged rows written in one storage call
+# Staged rows written in one storage call: _FLUSH_ROWS, or as many as fill _FLUSH_BYTES
+# for small rows (up to 8x): each write and bookkeeping pack costs ~20 µs on top of its rows
+# (4,096 rows of 100 bytes: ~1 µs less per 64-env append_batch than 512).
+_FLUSH_ROWS = 512
+_FLUSH_BYTES = 1 << 19
 FRAME_PADDINGS = ("reset", "zero")  # gymnasium FrameStackObservation's padding_type values
 
 
@@ -847,7 +851,9 @@ class EpisodeCore:
 
     def _stage(self, rows: Sequence[int], data: dict[Key, torch.Tensor]) -> None:
         if self._stager is None:
-            self._stager = RowStager(self.slots.spec, _FLUSH_ROWS)
+            row_bytes = max(self.slots.spec.row_bytes, 1)
+            size = max(_FLUSH_ROWS, min(8 * _FLUSH_ROWS, _FLUSH_BYTES // row_bytes))
+            self._stager = RowStager(self.slots.spec, size)
             self._plan = RowPlan.of(self.slots.spec, self._stager.arrays)
         if not self._stager.fits(len(rows)):
             self._write_staged()

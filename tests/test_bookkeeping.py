@@ -123,7 +123,7 @@ def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(
     # settle: how many repeated batches a run holds before their rows go to their episodes;
     # pack: how many wait before a write of the staged rows packs their bookkeeping.
     with (
-        mock.patch("replaybuf.episodes._FLUSH_ROWS", 3),
+        mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
         mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
@@ -205,7 +205,8 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle, p
     bufs = [SyncEpisodeReplayBuffer(400, 8, storage="tensor", seed=0) for _ in range(2)]
     ids = [[buf.start_episode() for _ in range(envs)] for buf in bufs]
     with (
-        mock.patch("replaybuf.episodes._FLUSH_ROWS", 2 * envs),  # written every 2 batches
+        # Staged rows written every 2 batches.
+        mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
         mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
@@ -324,3 +325,20 @@ def test_a_repeated_batch_across_a_checkpoint_and_its_restore(tmp_path, mirror):
                 assert torch.equal(
                     buf.get_episode(i)["observation"], back.get_episode(i)["observation"]
                 )
+
+
+@pytest.mark.parametrize(
+    ("observation_floats", "rows"),
+    [(4, 4096), (60, 2080), (256, 512), (4096, 512)],  # 28 B, 252 B, 1,036 B, 16 KiB rows
+)
+def test_the_staging_buffer_holds_512_rows_or_512_kib_of_small_rows(observation_floats, rows):
+    """Staged rows go to storage in writes of 512 rows, or of as many small rows as fill
+    512 KiB (at most 4,096): fewer writes and packs for small rows, no more memory than
+    before for large ones."""
+    with SyncEpisodeReplayBuffer(64, 8, storage="tensor") as buf:
+        episode = buf.start_episode()
+        observation = np.zeros(observation_floats, np.float32)
+        buf.append_observation_action_reward(episode, observation, 0, 1.0)
+        row_bytes = buf._core.slots.spec.row_bytes
+        assert row_bytes == 4 * observation_floats + 8 + 4  # observation, int64 action, reward
+        assert buf._core._stager.capacity == rows == max(512, min(4096, 2**19 // row_bytes))
