@@ -307,9 +307,8 @@ class SlotStorage:
             at = slots.numpy()
             by_key = dict(zip(keys, staged, strict=True))
             for key, column in self._row_bytes.items():
-                source = by_key[key]
-                if column is not None and source is not None:
-                    self.row_scatter(column, source, at)
+                if column is not None:  # a field of no bytes has nothing to write
+                    self.row_scatter(column, by_key[key], at)
             self._record_write(slots if last is None else last, slots)
             return
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
