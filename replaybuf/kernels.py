@@ -215,6 +215,8 @@ def scatter_rows(column: np.ndarray, staged: np.ndarray, rows: np.ndarray) -> No
     views of any dtype). The episode core's flush: rows of interleaved episodes land all over
     the column, and torch's ``index_copy_`` costs ~2x this there (~48 against ~22 µs for 512
     rows of the W4 fields), most of it per-call set-up repeated for each field."""
+    if staged.shape[1] != column.shape[1] or staged.shape[0] < rows.shape[0]:
+        raise ValueError("row write: staged rows of another width, or fewer than the slots")
     slots = column.shape[0]
     for i in range(rows.shape[0]):  # checked before anything is written (no bounds checks)
         if not 0 <= rows[i] < slots:

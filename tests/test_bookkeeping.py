@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from episode_helpers import mirrored
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
@@ -76,12 +76,15 @@ ops = st.lists(
 
 
 def run(
-    ops_: list[tuple[str, int, int]], frame_stack: int | None, storing: str = "cpu"
+    ops_: list[tuple[str, int, int]],
+    frame_stack: int | None,
+    storing: str = "cpu",
+    max_steps: int = 12,
 ) -> EpisodeCore:
     """The ops on a small buffer (evicting) stored on ``storing``, checking the bookkeeping
     after each flush."""
     buf = SyncEpisodeReplayBuffer(
-        12, 5, storing_device=storing, storage="tensor", seed=0, frame_stack=frame_stack
+        max_steps, 5, storing_device=storing, storage="tensor", seed=0, frame_stack=frame_stack
     )
     running: list[int] = []
     table = buf._core.episodes
@@ -137,6 +140,24 @@ def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(
     assert_same_bookkeeping(host, slow)
 
 
+@settings(max_examples=60, deadline=None)
+@given(ops_=ops)
+# Per-step appends that fill the stager while a run has batches waiting: their write must
+# pack the run's batches before the appends' bookkeeping (staging order).
+@example(ops_=[("start", 0, 1)] * 3 + [("batch", 0, 3)] * 2 + [("one", i, 1) for i in range(4)])
+def test_when_a_batch_run_packs_does_not_change_the_bookkeeping_or_the_anchor_order(ops_):
+    """A batch run's bookkeeping packed after every call or only at flushes (32 waiting):
+    the same columns, the same free list and the same anchor order (seeded draws). Room for
+    60 steps: fewer evictions (each flushes, which packs the run whole)."""
+    cores = []
+    for pack in (1, 32):
+        with mock.patch.multiple(
+            "replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0, _PACK_BATCHES=pack
+        ):
+            cores.append(run(ops_, None, max_steps=60))
+    assert_same_bookkeeping(*cores)
+
+
 def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:
     """Every links column, the anchor set (in draw order) and the free list agree, wherever
     each core reads them (host, mirrored, or on a GPU)."""
@@ -189,6 +210,9 @@ def test_ids_in_an_integer_array_take_the_cached_run_and_bad_arrays_are_refused(
         with pytest.raises(EpisodeStateError, match="episode_id must be an int"):
             batch(bufs[0], bad)
         assert bufs[0]._core.steps == before
+    with pytest.raises(TypeError, match="0-d"):  # one id, not a sequence of them
+        bufs[0].append_batch(np.array(ids[0]), np.zeros((1, 3), np.float32), [0], [1.0])
+    assert bufs[0]._core.steps == before
     for episode in ids:
         assert [*bufs[0]._core.episodes[episode].rows] == [*bufs[1]._core.episodes[episode].rows]
         first, second = (buf.get_episode(episode)["observation"] for buf in bufs)

@@ -400,8 +400,14 @@ def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, sh
 
     rows = data.draw(st.lists(st.integers(0, slots - 1), max_size=slots, unique=True))
     g = torch.Generator().manual_seed(len(rows))
-    column = (torch.randn(slots, *shape, generator=g) * 50).to(dtype)
-    staged = (torch.randn(len(rows) + 2, *shape, generator=g) * 50).to(dtype)  # spare rows
+
+    def random(count: int) -> torch.Tensor:  # random bytes of the dtype (bools 0 or 1)
+        size = torch.empty((), dtype=dtype).element_size()
+        high = 2 if dtype == torch.bool else 256
+        raw = torch.randint(0, high, (count, *shape, size), generator=g, dtype=torch.uint8)
+        return raw.view(dtype).reshape(count, *shape)
+
+    column, staged = random(slots), random(len(rows) + 2)  # staged: two spare rows
     want = column.clone()
     for i, row in enumerate(rows):
         want[row] = staged[i]
@@ -410,7 +416,7 @@ def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, sh
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
-def test_the_compiled_row_scatter_refuses_a_slot_out_of_range_and_writes_nothing():
+def test_the_compiled_row_scatter_refuses_bad_slots_and_sizes_and_writes_nothing():
     from replaybuf import kernels
     from replaybuf.staging import row_bytes
 
@@ -419,6 +425,12 @@ def test_the_compiled_row_scatter_refuses_a_slot_out_of_range_and_writes_nothing
         with pytest.raises(IndexError, match="slot out of range"):
             kernels.scatter_rows(
                 row_bytes(column), row_bytes(staged), np.array([0, bad, 1], dtype=np.int64)
+            )
+        assert torch.equal(column, torch.zeros(4, 3))
+    for other in (torch.ones(3, 4), torch.ones(2, 3)):  # wider rows; fewer rows than slots
+        with pytest.raises(ValueError, match="another width, or fewer than the slots"):
+            kernels.scatter_rows(
+                row_bytes(column), row_bytes(other), np.array([0, 2, 1], dtype=np.int64)
             )
         assert torch.equal(column, torch.zeros(4, 3))
 
@@ -441,6 +453,7 @@ def test_episode_rows_written_through_the_compiled_scatter_equal_index_copy_s(
     scatter = kernels.scatter_rows
     monkeypatch.setattr(kernels, "scatter_rows", lambda *a: calls.append(1) or scatter(*a))
     bufs[0]._core.slots.row_scatter = kernels.scatter_rows  # (the core took it when built)
+    assert bufs[1]._core.slots.row_scatter is None
     g = torch.Generator().manual_seed(0)
 
     def step(n: int) -> tuple:
