@@ -381,7 +381,7 @@ class SlotStorage:
         """Reserve disk blocks for every memmap file, so a full disk fails now, not as SIGBUS."""
         for _, value in stored.items(include_nested=True, leaves_only=True):
             filename = getattr(value, "filename", None)
-            if not filename:
+            if not filename or value.numel() == 0:  # TorchRL writes no file for no bytes
                 continue
             size = os.path.getsize(filename)
             fd = os.open(filename, os.O_RDWR)

@@ -493,3 +493,20 @@ def test_episode_rows_written_through_the_compiled_scatter_equal_index_copy_s(
     for key in keys:
         got, want = (column[key][written].view(torch.uint8) for column in stored)
         assert torch.equal(got, want), key
+
+
+@pytest.mark.parametrize("storage", ["memmap", "tensor"])
+def test_a_field_of_no_bytes_is_stored_and_returned_on_every_storage(make_episode_buffer, storage):
+    """A zero-size field (an empty extras vector, say) next to real ones: TorchRL makes no
+    memmap file for it, and nothing may expect one (the disk reservation looked it up)."""
+    buf = make_episode_buffer(16, 4, storage=storage)
+    ids = [buf.start_episode() for _ in range(2)]
+    for t in range(3):
+        observations = np.full((2, 2), t, np.float32)
+        extras = {"z": np.zeros((2, 0), np.float32)}
+        buf.append_batch(ids, observations, np.zeros(2, np.int64), np.ones(2, np.float32), extras)
+    buf.end_episode(ids[0], "terminated", np.zeros(2, np.float32))
+    record = buf.get_episode(ids[0])
+    assert record["observation"][:, 0].tolist() == [0.0, 1.0, 2.0, 0.0]
+    assert record["z"].shape == (3, 0)
+    assert buf.sample_n_step(4, n=2)["z"].shape == (4, 0)
