@@ -876,7 +876,7 @@ class EpisodeCore:
             self.slots.write_rows(slots, self._stager.keys, values, last, self._stager.bytes)
         self._pack_staged(whole_run)
 
-    def _pack_staged(self, whole_run: bool = True) -> None:
+    def _pack_staged(self, whole_run: bool = False) -> None:
         """Move the staged bookkeeping from the batch run and its lists into its int64 columns,
         in staging order (which orders the anchor set, so seeded draws): the run's batches
         come first, as the lists are packed when a run starts and a list entry hands out a
