@@ -32,7 +32,7 @@ from replaybuf.prioritized import (
     ring_ids,
 )
 from replaybuf.schema import FieldSpec, Key, to_leaves
-from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+from replaybuf.storage import NORMAL_TENSORS, SlotStorage, resolve_device, resolve_kind
 
 if TYPE_CHECKING:
     from replaybuf.dataset import ReplayDataset
@@ -63,6 +63,7 @@ class ReplayBuffer:
             :class:`~replaybuf.errors.InsufficientSpaceError`, before anything is allocated.
     """
 
+    @NORMAL_TENSORS
     def __init__(
         self,
         device: torch.device | str,
@@ -502,6 +503,7 @@ class ReplayBuffer:
             },
         )
 
+    @NORMAL_TENSORS
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Read ``path + ".metadata"``, check it against this buffer, and return it.
 
@@ -550,6 +552,7 @@ class ReplayBuffer:
         return buffer_checkpoint.save(self, directory, durable)
 
     @classmethod
+    @NORMAL_TENSORS
     def load_checkpoint(cls, directory: str | os.PathLike, **overrides: Any) -> ReplayBuffer:
         """A new buffer holding the checkpoint at ``directory``, sampling where it left off.
 

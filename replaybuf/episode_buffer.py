@@ -40,7 +40,7 @@ from replaybuf.sampling import (
     with_priority_keys,
 )
 from replaybuf.schema import FieldSpec
-from replaybuf.storage import SlotStorage, resolve_device, resolve_kind
+from replaybuf.storage import NORMAL_TENSORS, SlotStorage, resolve_device, resolve_kind
 
 if TYPE_CHECKING:
     from replaybuf.dataset import ReplayDataset
@@ -116,6 +116,7 @@ class SyncEpisodeReplayBuffer:
             frame (gymnasium ``FrameStackObservation``'s default), ``"zero"`` gives zeros.
     """
 
+    @NORMAL_TENSORS
     def __init__(
         self,
         max_steps: int,
@@ -500,6 +501,7 @@ class SyncEpisodeReplayBuffer:
         self._core.unpin()
 
     @classmethod
+    @NORMAL_TENSORS
     def load_checkpoint(
         cls, directory: str | os.PathLike, **overrides: Any
     ) -> SyncEpisodeReplayBuffer:
@@ -542,6 +544,7 @@ class SyncEpisodeReplayBuffer:
             },
         )
 
+    @NORMAL_TENSORS
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Read and check metadata; an empty buffer adopts its field spec. Returns it.
 

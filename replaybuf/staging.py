@@ -29,9 +29,10 @@ class RowStager:
         self.keys: list[Key] = list(spec)
         # One row more than staged: the spare row (index ``capacity``), where the per-step path
         # checks a step before an eviction that flushes the staged rows.
-        self.columns = [
-            torch.empty((capacity + 1, *spec[k].shape), dtype=spec[k].dtype) for k in spec
-        ]
+        with torch.inference_mode(False):  # made at a first append (storage.NORMAL_TENSORS)
+            self.columns = [
+                torch.empty((capacity + 1, *spec[k].shape), dtype=spec[k].dtype) for k in spec
+            ]
         # Storage rows of the staged rows: int64, so that drain makes one tensor of them with
         # torch.frombuffer (torch.tensor of 512 Python ints costs ~0.3 µs an int).
         self.rows = array("q")

@@ -106,6 +106,12 @@ def _remove_if_owner(path: Path, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# For constructors and loads, which allocate every tensor a buffer keeps: normal tensors even
+# when called in inference mode (an RL collector), as later writes outside it are in place,
+# which inference tensors refuse. A decorator (a fresh context per call).
+NORMAL_TENSORS = torch.inference_mode(False)
+
+
 class _ScratchFolder:
     """A private folder for memmap files, removed on close, garbage collection or exit."""
 
@@ -227,7 +233,8 @@ class SlotStorage:
             first = not self._leaves
             td = data if isinstance(data, TensorDictBase) else _tensordict(data)
             cursor = self.memory.writer.state_dict().get("_cursor")  # other writers: None
-            self.memory.extend(td.to(self.storing_device))
+            with torch.inference_mode(False):  # a first write allocates (NORMAL_TENSORS)
+                self.memory.extend(td.to(self.storing_device))
             if first:
                 self._after_first_write()
             self._index_written(cursor, td.shape[0])  # TorchRL's extend wrote the index
@@ -341,7 +348,8 @@ class SlotStorage:
 
     def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         first = not self._leaves
-        self.memory.storage.set(slots.to(self.storing_device), td.to(self.storing_device))
+        with torch.inference_mode(False):  # TorchRL allocates at the first write (NORMAL_TENSORS)
+            self.memory.storage.set(slots.to(self.storing_device), td.to(self.storing_device))
         if first:
             self._after_first_write()
 
