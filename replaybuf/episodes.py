@@ -70,8 +70,8 @@ RETURNED_KEYS = frozenset(
 )
 _NUMBERS = (bool, int, float, np.number, np.bool_)
 _EPISODE_ID_TYPES = (int, np.integer)
-# Staged rows written in one storage call: _FLUSH_ROWS, or as many as fill _FLUSH_BYTES
-# for small rows (up to 8x): each write and bookkeeping pack costs ~20 µs on top of its rows
+# Staged rows written in one storage call (a flush): _FLUSH_ROWS, or as many as fill
+# _FLUSH_BYTES for small rows (up to 8x): each flush costs tens of µs on top of its rows
 # (4,096 rows of 100 bytes: ~1 µs less per 64-env append_batch than 512).
 _FLUSH_ROWS = 512
 _FLUSH_BYTES = 1 << 19
@@ -93,6 +93,9 @@ class Episode:
     final_observation: TensorDict | None = None  # only for episodes ended with zero steps
     # The append_batch run this episode is in, which may hold rows not yet in ``own``.
     run: _BatchRun | None = field(default=None, repr=False, compare=False)
+    # The core's flush count when the episode ended: once a flush follows, every row of it is
+    # in storage (-1: restored from a checkpoint, all of it in storage).
+    end_flush: int = field(default=-1, repr=False, compare=False)
 
     @property
     def rows(self) -> array:
@@ -373,6 +376,7 @@ class EpisodeCore:
         self.steps = 0
         self.valid_steps = 0
         self.evicted = 0
+        self.flushes = 0  # completed flushes (see Episode.end_flush)
         self._stager: RowStager | None = None  # created once the spec is known
         self._plan: RowPlan | None = None  # the per-step fast path, with the stager
         # Bookkeeping staged with the rows: appended per step to flat lists (``list += tuple``
@@ -527,7 +531,13 @@ class EpisodeCore:
                 )
         finally:
             candidates.close()
-        self.flush()
+        # Rows must be written and their bookkeeping placed before they are freed; an episode
+        # that ended before the last flush has none pending (a vector env's steady state: each
+        # eviction's flush cost ~150 µs, 1,000 scattered rows against 4,096 at a stager's end).
+        # With priorities every staged step is admitted first, at the maximum as it stands
+        # before the victims' priorities leave the tree.
+        if self.priorities is not None or not all(map(self._flushed, victims)):
+            self.flush()
         for episode in victims:
             self._evict(episode)
 
@@ -553,6 +563,10 @@ class EpisodeCore:
         finally:
             for item in popped:
                 heapq.heappush(self.finished, item)
+
+    def _flushed(self, episode: Episode) -> bool:
+        """Whether every row of ``episode`` is written and placed (it ended before a flush)."""
+        return not episode.in_progress and episode.end_flush < self.flushes
 
     def _evict(self, episode: Episode) -> None:
         self.remove_episode(episode)
@@ -608,6 +622,7 @@ class EpisodeCore:
 
     def append(self, episodes: list[Episode], rows: dict[Key, torch.Tensor]) -> None:
         """Stage one step for each episode (``rows`` holds one row per episode)."""
+        self._flush_if_full(len(episodes))
         self.make_room(len(episodes), len(episodes), 0, {e.episode_id for e in episodes})
         if self.slots.spec is None:
             # Only now, when nothing can refuse the append any more, may it fix the spec.
@@ -633,7 +648,7 @@ class EpisodeCore:
             # spare row first, so that a declined value still leaves everything as it was.
             if not plan.stage(stager.capacity, step):
                 return False
-            self._empty_stager(bool(evict), 1, episode)  # may refuse: nothing changed
+            self._room_to_stage(bool(evict), 1, episode)  # may refuse: nothing changed
             stager.stage_spare(self._assign_row(episode), plan.arrays)
             return True
         # The step goes straight into the next staging row, which only counts once its storage
@@ -657,6 +672,7 @@ class EpisodeCore:
         values = plan.batch_values(count, (observations, actions, rewards, extras))
         if values is None:
             return False
+        self._flush_if_full(count)
         cap = self.max_episodes
         if (
             self.steps + count > self.max_steps
@@ -667,15 +683,19 @@ class EpisodeCore:
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = self._assign_rows(episodes)
         # One slice per field; more environments than a stager holds (thousands, from EnvPool
-        # say) go through it in parts. No flush comes in between, so every assigned row is
-        # staged before one.
+        # say) go through it in parts, a flush before each part after the first (which places
+        # the bookkeeping of rows staged next; nothing reads in between).
         for begin in range(0, count, stager.capacity):
             end = min(begin + stager.capacity, count)
-            if not stager.fits(end - begin):
-                self._write_staged()
+            if begin:
+                self.flush()
             at, whole = len(stager.rows), end - begin == count  # whole: no slicing (~0.5 µs)
-            for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
-                column[at : at + end - begin] = value if whole else value[begin:end]
+            if type(values[0]) is torch.Tensor:  # tensors (RowPlan.batch_values)
+                parts = values if whole else [value[begin:end] for value in values]
+                torch._foreach_copy_(stager.slices(at, end - begin), parts)
+            else:
+                for column, value in zip(plan.arrays, values):  # noqa: B905 (one plan)
+                    column[at : at + end - begin] = value if whole else value[begin:end]
             stager.rows.extend(rows if whole else rows[begin:end])
         return True
 
@@ -761,6 +781,7 @@ class EpisodeCore:
     def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
         """Record the end of an episode with its final observation row."""
         if episode.rows:
+            self._flush_if_full(1)
             self.make_room(0, 1, 0, {episode.episode_id})
             row = self._final_row(episode, end_kind)
             self._stage([row], {key: value.unsqueeze(0) for key, value in final.items()})
@@ -787,7 +808,7 @@ class EpisodeCore:
         if evict or len(stager.rows) >= stager.capacity:  # as append_one: the spare row first
             if not plan.stage_final(stager.capacity, observation):
                 return False
-            self._empty_stager(bool(evict), 0, episode)  # may refuse: nothing changed
+            self._room_to_stage(bool(evict), 0, episode)  # may refuse: nothing changed
             stager.stage_spare(self._final_row(episode, end_kind), plan.arrays)
         else:
             if not plan.stage_final(len(stager.rows), observation):
@@ -796,14 +817,22 @@ class EpisodeCore:
         self._finish(episode, end_kind)
         return True
 
-    def _empty_stager(self, evict: bool, steps: int, episode: Episode) -> None:
-        """Make room for ``steps`` steps and a row of ``episode`` (an eviction, which flushes),
-        or else write the full stager: either way the stager is then empty. Only making room
-        may refuse, and then nothing changed."""
+    def _room_to_stage(self, evict: bool, steps: int, episode: Episode) -> None:
+        """Make room for ``steps`` steps and a row of ``episode`` (``evict``) and for a staging
+        row (a full stager is written first). Only making room may refuse, and then nothing
+        stored changed."""
+        self._flush_if_full(1)
         if evict:
             self.make_room(steps, 1, 0, {episode.episode_id})
-        else:
-            self._write_staged()
+
+    def _flush_if_full(self, rows: int) -> None:
+        """Flush if the stager cannot take ``rows`` more (or, for more than it holds, a whole
+        stager's worth). Every append path calls it before making room: a failed write then
+        changes nothing, and flushes and evictions come in the same order on every path (the
+        anchor order, so seeded draws, follows it)."""
+        stager = self._stager
+        if stager is not None and not stager.fits(min(rows, stager.capacity)):
+            self.flush()
 
     def _final_row(self, episode: Episode, end_kind: int) -> int:
         """A free row for ``episode``'s final observation, linked after its last step."""
@@ -815,6 +844,7 @@ class EpisodeCore:
 
     def _finish(self, episode: Episode, end_kind: int) -> None:
         episode.end_kind = end_kind
+        episode.end_flush = self.flushes
         del self.running[episode.episode_id]
         self._drop_run()
         heapq.heappush(self.finished, (episode.seq, episode.episode_id))
@@ -856,7 +886,7 @@ class EpisodeCore:
             self._stager = RowStager(self.slots.spec, size)
             self._plan = RowPlan.of(self.slots.spec, self._stager.arrays)
         if not self._stager.fits(len(rows)):
-            self._write_staged()
+            self.flush()
         if self._stager.fits(len(rows)):
             self._stager.stage(rows, data)
         else:  # more rows than a staging buffer holds: write them straight through
@@ -865,32 +895,15 @@ class EpisodeCore:
                 slots,
                 build_tensordict(list(data), list(data.values()), len(rows), torch.device("cpu")),
             )
-            self._pack_staged()
+            self.flush()  # their bookkeeping (the stager is empty)
 
-    def _write_staged(self, whole_run: bool = False) -> None:
-        """Write the staged rows; pack the staged bookkeeping (a batch run's only once
-        ``_PACK_BATCHES`` of its batches wait, unless ``whole_run``: see :meth:`_pack_staged`)."""
-        if self._stager is not None and len(self._stager):
-            last = self._stager.rows[-1]
-            slots, values = self._stager.drain()
-            self.slots.write_rows(slots, self._stager.keys, values, last, self._stager.bytes)
-        self._pack_staged(whole_run)
-
-    def _pack_staged(self, whole_run: bool = False) -> None:
+    def _pack_staged(self) -> None:
         """Move the staged bookkeeping from the batch run and its lists into its int64 columns,
         in staging order (which orders the anchor set, so seeded draws): the run's batches
         come first, as the lists are packed when a run starts and a list entry hands out a
-        row, which ends the run's repeats. Unless ``whole_run`` or the lists hold entries,
-        the run's batches stay until ``_PACK_BATCHES`` wait: a pack costs ~20 µs whatever its
-        size, and only :meth:`flush` reads the packed columns."""
-        run = self._run
-        if run is not None and (
-            whole_run
-            or self._staged_meta
-            or self._staged_links
-            or len(run.batches) - run.packed >= _PACK_BATCHES
-        ):
-            run.pack(self._packed)
+        row, which ends the run's repeats."""
+        if self._run is not None:
+            self._run.pack(self._packed)
         if self._staged_meta:
             self._packed.add_flat_rows(self._staged_meta)
             self._staged_meta.clear()
@@ -911,18 +924,25 @@ class EpisodeCore:
 
     def flush(self) -> None:
         """Write staged rows to storage and apply the staged bookkeeping (on the host; a
-        device copy follows when read)."""
-        self._write_staged(whole_run=True)
+        device copy follows when read): before every read, whenever the stager is full (so
+        the pending bookkeeping stays within a stager's rows) and before an eviction of rows
+        still staged."""
+        stager = self._stager
+        if stager is not None and len(stager):
+            last = stager.rows[-1]
+            slots, values = stager.drain()
+            self.slots.write_rows(slots, stager.keys, values, last, stager.bytes)
+        self._pack_staged()
         packed = self._packed
-        if not packed.rows:
-            return
-        self.links.place(*packed.meta())
-        if packed.sources:
-            starts = self.links.connect(*packed.links())
-            self.anchors.add(starts)
-            if self.priorities is not None:  # new steps enter at the current maximum
-                self.priorities.admit(to_device_async(starts, self.slots.storing_device))
-        self._packed = _Packed()  # only now: a failed write above keeps what it was to apply
+        if packed.rows:
+            self.links.place(*packed.meta())
+            if packed.sources:
+                starts = self.links.connect(*packed.links())
+                self.anchors.add(starts)
+                if self.priorities is not None:  # new steps enter at the current maximum
+                    self.priorities.admit(to_device_async(starts, self.slots.storing_device))
+            self._packed = _Packed()  # only now: a failed write keeps what it was to apply
+        self.flushes += 1  # only now: everything staged before is in storage
 
     def clear(self) -> None:
         """Drop every episode (ids keep counting up, so old ids stay invalid)."""
@@ -932,10 +952,8 @@ class EpisodeCore:
 
 
 _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
-# A batch run's batches are packed at a write of the staged rows once this many wait (and at
-# every flush); it settles their rows into its episodes' arrays once this many are packed
-# (checked at each pack), which bounds its pending list.
-_PACK_BATCHES = 32
+# A batch run settles its batches' rows into its episodes' arrays once this many are packed
+# (checked at each pack, at every flush), which bounds its pending list.
 _SETTLE_BATCHES = 256
 Ints = array | np.ndarray
 
@@ -944,11 +962,10 @@ class _BatchRun:
     """The episodes of the last ``append_batch`` and the rows of later batches of the same
     episodes (a vectorized env between resets), so that such a batch costs no per-episode
     work: the core checks the ids once (:meth:`EpisodeCore.repeat_batch`) and keeps the new
-    rows here. Their bookkeeping (:meth:`pack`, at a flush or once ``_PACK_BATCHES`` wait)
-    and each episode's row array (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are
-    packed) are made later for many batches at once. Valid while ``allocations`` matches the
-    core's (no row handed out since); the core drops it when any episode in progress ends or
-    goes."""
+    rows here. Their bookkeeping (:meth:`pack`, at a flush) and each episode's row array
+    (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are packed) are made later for
+    many batches at once. Valid while ``allocations`` matches the core's (no row handed out
+    since); the core drops it when any episode in progress ends or goes."""
 
     def __init__(
         self, episodes: list[Episode], ids: array, steps: array, rows: array, allocations: int

@@ -19,6 +19,7 @@ import torch
 from replaybuf.schema import FieldSpec, Key
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
+_SLICES = 1024  # column slices kept (see RowStager.slices)
 
 
 class RowStager:
@@ -44,6 +45,17 @@ class RowStager:
             self.arrays = [column.numpy() for column in self.columns]
         # The columns' bytes, for the compiled scatter into storage (SlotStorage.write_rows).
         self.bytes = [row_bytes(column) for column in self.columns]
+        self._slices: dict[tuple[int, int], list[torch.Tensor]] = {}  # see slices
+
+    def slices(self, at: int, count: int) -> list[torch.Tensor]:
+        """Views of rows ``at`` .. ``at + count`` of every column. Kept: slicing costs ~0.4 µs
+        a field, and a vector env stages the same slices over and over."""
+        views = self._slices.get((at, count))
+        if views is None:
+            if len(self._slices) >= _SLICES:
+                self._slices.clear()
+            views = self._slices[at, count] = [column[at : at + count] for column in self.columns]
+        return views
 
     def __len__(self) -> int:
         return len(self.rows)

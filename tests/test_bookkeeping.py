@@ -119,15 +119,11 @@ def run(
 
 @pytest.mark.parametrize("frame_stack", [None, 2])
 @settings(max_examples=60, deadline=None)
-@given(ops_=ops, settle=st.sampled_from([1, 2, 256]), pack=st.sampled_from([1, 2, 32]))
-def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(
-    ops_, frame_stack, settle, pack
-):
-    # settle: how many repeated batches a run holds before their rows go to their episodes;
-    # pack: how many wait before a write of the staged rows packs their bookkeeping.
+@given(ops_=ops, settle=st.sampled_from([1, 2, 256]))
+def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack, settle):
+    # settle: how many repeated batches a run holds before their rows go to their episodes.
     with (
         mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
         host = run(ops_, frame_stack)
@@ -140,22 +136,82 @@ def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(
     assert_same_bookkeeping(host, slow)
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops_=ops)
-# Per-step appends that fill the stager while a run has batches waiting: their write must
-# pack the run's batches before the appends' bookkeeping (staging order).
-@example(ops_=[("start", 0, 1)] * 3 + [("batch", 0, 3)] * 2 + [("one", i, 1) for i in range(4)])
-def test_when_a_batch_run_packs_does_not_change_the_bookkeeping_or_the_anchor_order(ops_):
-    """A batch run's bookkeeping packed after every call or only at flushes (32 waiting):
-    the same columns, the same free list and the same anchor order (seeded draws). Room for
-    60 steps: fewer evictions (each flushes, which packs the run whole)."""
+@settings(max_examples=80, deadline=None)
+@given(ops_=ops, flush_rows=st.sampled_from([3, 64]))
+# A finished episode evicted while the stager holds other episodes' rows, no flush between.
+@example(
+    ops_=[("start", 0, 1), ("one", 0, 1), ("one", 0, 1), ("end", 0, 1), ("flush", 0, 1)]
+    + [("start", 0, 1)]
+    + [("one", 0, 1)] * 12,
+    flush_rows=64,
+)
+def test_evicting_without_a_flush_stores_what_flushing_first_stores(ops_, flush_rows):
+    """An eviction flushes only when a victim may hold staged rows (in progress, or ended
+    since the last flush). With a flush before every eviction instead: the same columns,
+    free list, anchor set (not its order: a removal refills holes from the set's tail) and
+    stored observations in every row in use."""
     cores = []
-    for pack in (1, 32):
-        with mock.patch.multiple(
-            "replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0, _PACK_BATCHES=pack
+    for always in (False, True):
+        flushed = (
+            mock.patch.object(EpisodeCore, "_flushed", return_value=False)
+            if always
+            else contextlib.nullcontext()
+        )
+        with (
+            mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+            flushed,
         ):
-            cores.append(run(ops_, None, max_steps=60))
-    assert_same_bookkeeping(*cores)
+            cores.append(run(ops_, None))
+    skip, always = cores
+    for name in COLUMNS:
+        a, b = getattr(skip.links, name), getattr(always.links, name)
+        assert (a is None and b is None) or a.tolist() == b.tolist(), name
+    assert list(skip.free) == list(always.free)
+    assert sorted(skip.anchors.snapshot().tolist()) == sorted(always.anchors.snapshot().tolist())
+    used = torch.tensor(
+        [r for e in skip.episodes.values() for r in [*e.rows, e.final_row] if r is not None],
+        dtype=torch.long,
+    )
+    if len(used) and skip.slots.spec is not None:
+        key = ("observation",)
+        assert torch.equal(skip.slots.column(key)[used], always.slots.column(key)[used])
+
+
+def test_an_eviction_flushes_only_for_rows_still_staged():
+    """A vector env's steady state: the oldest episode ended before the last flush, so
+    evicting it needs no flush (its rows are written and placed), and the stager keeps the
+    rows staged since. A victim that ended after the last flush is flushed first."""
+    buf = SyncEpisodeReplayBuffer(8, 8, storage="tensor", seed=0)
+    core = buf._core
+
+    def steps(episode: int, first: float, count: int) -> None:
+        for t in range(count):
+            buf.append_observation_action_reward(episode, np.full(3, first + t, np.float32), 0, 1.0)
+
+    old = buf.start_episode()
+    steps(old, 0.0, 3)
+    buf.end_episode(old, "truncated", np.full(3, 3.0, np.float32))
+    buf.get_episode(old)  # a read: flushes, so every row of ``old`` is in storage
+    new = buf.start_episode()
+    steps(new, 10.0, 5)  # 8 steps stored: the next one evicts ``old``
+    staged = len(core._stager)
+    with mock.patch.object(core, "flush", wraps=core.flush) as flush:
+        steps(new, 15.0, 1)
+    assert flush.call_count == 0
+    assert old not in core.episodes
+    assert len(core._stager) == staged + 1
+    assert buf.get_episode(new)["observation"][:, 0].tolist() == [10.0 + t for t in range(6)]
+    assert_bookkeeping(core)
+    # Ended after the last flush (the read above): its rows may still be staged.
+    buf.end_episode(new, "terminated", np.full(3, 16.0, np.float32))
+    last = buf.start_episode()
+    steps(last, 20.0, 2)
+    with mock.patch.object(core, "flush", wraps=core.flush) as flush:
+        steps(last, 22.0, 1)  # 3 steps more than the 6 + 2 held: evicts ``new``
+    assert flush.call_count == 1
+    assert new not in core.episodes
+    assert buf.get_episode(last)["observation"][:, 0].tolist() == [20.0, 21.0, 22.0]
+    assert_bookkeeping(core)
 
 
 def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:
@@ -220,8 +276,8 @@ def test_ids_in_an_integer_array_take_the_cached_run_and_bad_arrays_are_refused(
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize(("settle", "pack"), [(3, 1), (3, 4), (256, 32)])
-def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle, pack):
+@pytest.mark.parametrize("settle", [1, 3, 256])
+def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
     """A run of repeated batches keeps their rows until read or settled: reads in the middle
     (an episode's record, its step count) see every step, the run goes on after them, and
     rows, links and contents end as one append per episode would leave them."""
@@ -231,7 +287,6 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle, p
     with (
         # Staged rows written every 2 batches.
         mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes._PACK_BATCHES", pack),
         mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
     ):
         for t in range(batches):
@@ -241,7 +296,7 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle, p
                 bufs[1].append_observation_action_reward(episode, obs[i], t, 1.0)
             run = bufs[0]._core._run
             assert run is not None
-            assert len(run.batches) <= settle + pack + 2  # bounded, read or not
+            assert len(run.batches) <= settle + 2  # bounded, read or not
             if t in (7, 8, 25):  # reads in the middle of the run, which goes on after them
                 assert bufs[0]._core.episodes[ids[0][1]].steps == t + 1
                 record = bufs[0].get_episode(ids[0][2])

@@ -167,6 +167,11 @@ def batch_values_of(kind: str, rng: np.random.Generator, envs: int):
         return torch.from_numpy(obs), torch.from_numpy(act), torch.from_numpy(reward)
     if kind == "strided":  # a non-contiguous view: copied like any other
         return torch.from_numpy(obs.T.copy()).T, torch.from_numpy(act), reward
+    if kind == "torch strided":  # every value a tensor (one _foreach_copy_), one a view
+        return torch.from_numpy(obs.T.copy()).T, torch.from_numpy(act), torch.from_numpy(reward)
+    if kind == "inference":  # made in inference mode, appended outside it
+        with torch.inference_mode():
+            return tuple(torch.from_numpy(v).clone() for v in (obs, act, reward))
     # requires grad: the fast path declines (no numpy view), the general path detaches
     return torch.from_numpy(obs).requires_grad_(), act, torch.from_numpy(reward)
 
@@ -174,7 +179,9 @@ def batch_values_of(kind: str, rng: np.random.Generator, envs: int):
 @settings(max_examples=25, deadline=None)
 @given(
     kinds=st.lists(
-        st.sampled_from(["numpy", "torch", "strided", "grad", "end"]), min_size=1, max_size=30
+        st.sampled_from(["numpy", "torch", "strided", "torch strided", "inference", "grad", "end"]),
+        min_size=1,
+        max_size=30,
     ),
     seed=st.integers(0, 2**16),
     envs=st.integers(1, 4),
@@ -361,3 +368,45 @@ def test_sparse_tensors_are_refused_by_name_and_change_nothing(batched):
         with pytest.raises(TypeError, match="field 'observation' expected a dense"):
             call(*values)
         assert buf.stats() == before
+
+
+def test_a_batch_of_tensors_is_copied_in_one_call_and_anything_else_through_numpy():
+    """batch_values hands back the tensors themselves when every value is a strided CPU tensor
+    of the exact dtype and shape that needs no grad (one torch._foreach_copy_ stages them),
+    numpy arrays when any value is an array, None for what needs the general path; without
+    torch._foreach_copy_ tensors go through numpy views, and the rows stored are the same."""
+    spec = spec_of(
+        {
+            ("observation",): torch.zeros(2),
+            ("action",): torch.zeros((), dtype=torch.int64),
+            ("reward",): torch.zeros(()),
+        }
+    )
+    plan = RowPlan.of(spec, RowStager(spec, 4).arrays)
+    obs, act, reward = torch.ones(3, 2), torch.zeros(3, dtype=torch.int64), torch.ones(3)
+    tensors = plan.batch_values(3, (obs, act, reward, None))
+    # In the spec's column order (its keys sorted).
+    assert all(a is b for a, b in zip(tensors, (act, obs, reward), strict=True))
+    mixed = plan.batch_values(3, (obs, act.numpy(), reward, None))
+    assert all(type(v) is np.ndarray for v in mixed)
+    assert plan.batch_values(3, (obs.requires_grad_(), act, reward, None)) is None
+    assert plan.batch_values(3, (obs.detach().double(), act, reward, None)) is None
+    assert plan.batch_values(2, (obs.detach(), act, reward, None)) is None  # 3 rows, not 2
+    stored, copies = [], []
+    for foreach in (True, False):
+        with (
+            mock.patch(
+                "replaybuf.fastrow._FOREACH_COPY", torch._foreach_copy_ if foreach else None
+            ),
+            mock.patch("torch._foreach_copy_", wraps=torch._foreach_copy_) as copy,
+            SyncEpisodeReplayBuffer(32, storage="tensor", seed=0) as buf,
+        ):
+            ids = [buf.start_episode() for _ in range(3)]
+            for t in range(4):
+                buf.append_batch(ids, torch.full((3, 2), float(t)), act, torch.arange(3.0) + t)
+            stored.append([buf.get_episode(i) for i in ids])
+            copies.append(copy.call_count)
+    assert copies == [3, 0]  # the first batch fixes the spec through the general path
+    for a, b in zip(*stored, strict=True):
+        assert fields_equal(a, b)
+    assert stored[0][2]["reward"].tolist() == [2.0, 3.0, 4.0, 5.0]

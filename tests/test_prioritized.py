@@ -381,3 +381,29 @@ def test_compiled_and_numpy_draws_give_the_same_batches(
         buf.close()
     with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as plain:
         assert plain.stats()["priority_kernels"] is None
+
+
+def test_steps_staged_before_an_eviction_enter_at_the_maximum_before_it() -> None:
+    """New steps enter at the largest priority held when they were appended, even when an
+    eviction that follows removes the episode holding it: they are admitted first."""
+    buf = SyncEpisodeReplayBuffer(8, storage="tensor", seed=0, prioritized=True, alpha=1.0, eps=0)
+    core = buf._core
+
+    def step(episode: int, value: float) -> None:
+        buf.append_observation_action_reward(episode, torch.full((3,), float(value)), 0, 1.0)
+
+    old = buf.start_episode()
+    for t in range(3):
+        step(old, t)
+    buf.end_episode(old, "terminated", torch.zeros(3))
+    new = buf.start_episode()
+    step(new, 10.0)
+    core.flush()  # ``old`` ended before this flush: evicting it needs none of its own
+    held = torch.tensor(list(core.episodes[old].rows[:-1]))
+    buf.update_priorities(core.row_ids(held), torch.full((len(held),), 100.0))
+    for t in range(1, 7):  # staged; the 5th needs room and evicts ``old``
+        step(new, 10.0 + t)
+    assert old not in core.episodes
+    core.flush()
+    rows = torch.tensor(list(core.episodes[new].rows[:-1]))
+    assert core.priorities.tree.get(rows).tolist() == [100.0] * len(rows)
