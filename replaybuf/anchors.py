@@ -79,15 +79,18 @@ class AnchorSet:
 
     def remove(self, old_rows: Rows) -> None:
         """Remove rows that are in the set (each once)."""
-        k = old_rows.shape[0]
+        old = _host(old_rows)
+        self._remove(old, self._host[1][old])
+
+    def _remove(self, old: np.ndarray, holes: np.ndarray) -> None:
+        """Remove rows ``old`` (in the set, each once) whose places are ``holes``."""
+        k = old.shape[0]
         if k == 0:
             return
         new_count = self.count - k
         # Free the rows' places; holes inside the kept prefix are refilled by the tail rows
         # that stay (as many as holes).
         rows, pos = self._host
-        old = _host(old_rows)
-        holes = pos[old]
         pos[old] = -1
         holes = holes[holes < new_count]
         tail = rows[new_count : self.count]
@@ -103,7 +106,9 @@ class AnchorSet:
     def remove_present(self, rows: Rows) -> None:
         """Remove those of ``rows`` that are in the set (each row once)."""
         rows = _host(rows)
-        self.remove(rows[self._host[1][rows] >= 0])
+        at = self._host[1][rows]  # one gather of the places, for the test and the holes
+        present = at >= 0
+        self._remove(rows[present], at[present])
 
     def sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """``batch_size`` rows uniformly with replacement."""

@@ -28,6 +28,8 @@ _FLOATS = (torch.float32, torch.float64)
 # One call that copies a list of tensors into another (torch >= 2.1; a private name, so looked
 # up, and without it batches take the numpy path).
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+_STRIDED = torch.strided
+_BATCH_SIZES = 64  # batch sizes whose field checks a plan keeps (see RowPlan._tensors)
 
 
 class RowPlan:
@@ -50,6 +52,8 @@ class RowPlan:
             self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
         self.extras = {name for arg, name in sources if arg == 3}
         self.arrays = arrays
+        # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
+        self._batch_fields: dict[int, list[tuple[Any, ...]]] = {}
 
     @classmethod
     def of(cls, spec: FieldSpec, arrays: list[np.ndarray] | None) -> RowPlan | None:
@@ -149,16 +153,23 @@ class RowPlan:
         ``torch._foreach_copy_`` copies them (~1.8 µs for three fields) where a ``numpy()``
         view and a slice assignment per field cost ~3.7. Grad would make ``copy_`` record the
         staging columns in the graph: those take the general path, which detaches."""
+        fields = self._batch_fields.get(count)
+        if fields is None:
+            if len(self._batch_fields) >= _BATCH_SIZES:
+                self._batch_fields.clear()
+            fields = self._batch_fields[count] = [
+                (arg, name, dtype, (count, *shape)) for arg, name, shape, dtype, *_ in self.fields
+            ]
         extras, out = step[3], []
-        for arg, name, shape, dtype, _, _, _ in self.fields:
+        for arg, name, dtype, shape in fields:
             value = step[arg] if name is None else extras[name]
             if (
                 type(value) is not torch.Tensor
                 or value.dtype is not dtype
+                or value.shape != shape
                 or value.requires_grad
                 or not value.is_cpu
-                or value.layout is not torch.strided
-                or value.shape != (count, *shape)
+                or value.layout is not _STRIDED
             ):
                 return None
             out.append(value)

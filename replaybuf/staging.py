@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,18 @@ class RowStager:
                 self._slices.clear()
             views = self._slices[at, count] = [column[at : at + count] for column in self.columns]
         return views
+
+    def put(self, values: list[Any], rows: array) -> None:
+        """Stage ``rows`` with ``values`` (per column, in column order, ``[len(rows), ...]``):
+        CPU tensors of the columns' dtypes in one ``torch._foreach_copy_``, or numpy arrays
+        one slice assignment each (see :meth:`replaybuf.fastrow.RowPlan.batch_values`)."""
+        at, count = len(self.rows), len(rows)
+        if type(values[0]) is torch.Tensor:
+            torch._foreach_copy_(self.slices(at, count), values)
+        else:
+            for column, value in zip(self.arrays, values, strict=True):
+                column[at : at + count] = value
+        self.rows.extend(rows)
 
     def __len__(self) -> int:
         return len(self.rows)

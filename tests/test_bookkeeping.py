@@ -342,15 +342,23 @@ def evict(buf: SyncEpisodeReplayBuffer, episode_id: int) -> None:
         (lambda buf, ids: ids.__setitem__(1, ids[0]), "distinct"),
         (lambda buf, ids: ids.__setitem__(1, np.array([1, 2])), "must be an int"),
         (lambda buf, ids: ids.__setitem__(1, torch.tensor([1, 2])), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, np.float64(ids[1])), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, torch.tensor(ids[1])), "must be an int"),
+        (lambda buf, ids: ids.__setitem__(1, str(ids[1])), "must be an int"),
         (lambda buf, ids: buf.clear(), "evicted or cleared"),
     ],
 )
+# skipped: episodes started before the batch's, so that its ids are 0, 1, 2 (which a bool
+# equals) or 5, 6, 7 (which only the repeat's sum of ints guards).
+@pytest.mark.parametrize("skipped", [0, 5])
 def test_a_repeated_batch_is_checked_again_after_anything_that_changes_its_episodes(
-    between, message
+    between, message, skipped
 ):
     """The second call names the first call's episodes (the cached run) after a change that
     makes one of them invalid: it gets the same error as any other batch."""
     with SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0) as buf:
+        for _ in range(skipped):
+            buf.start_episode()
         ids = [buf.start_episode() for _ in range(3)]
         batch(buf, ids)
         batch(buf, ids)
