@@ -12,6 +12,7 @@ frame last, the k-1 before it in its episode first, padded at the episode start 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -169,12 +170,7 @@ def nstep_batch(
         n_each = n_max = n
     ends, info = _window_values(core, start, n_each, n_max, gamma)
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
-    keys: list[Key] = []
-    for key in obs_keys:
-        keys += [key, ("next_observation", *key[1:])]
-    keys += [key[1:] if key[0] == "extras" else key for key in step_keys]  # extras: top-level
-    keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
-    keys += [("actual_n",), ("start_step",), ("episode_id",)]
+    keys = _nstep_keys(obs_keys, step_keys)
     values = _host_nstep_values(core, start, ends, info, obs_keys, step_keys, batch, device)
     if values is not None:
         return build_tensordict(keys, values, batch, device)
@@ -191,6 +187,19 @@ def nstep_batch(
         values += [both[:batch], both[batch:]]
     values += delivered
     return build_tensordict(keys, values, batch, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _nstep_keys(obs_keys: tuple[Key, ...], step_keys: tuple[Key, ...]) -> list[Key]:
+    """The keys of an n-step batch, in :func:`nstep_batch`'s value order (cached per spec:
+    the same for every batch). Callers must not change the list."""
+    keys: list[Key] = []
+    for key in obs_keys:
+        keys += [key, ("next_observation", *key[1:])]
+    keys += [key[1:] if key[0] == "extras" else key for key in step_keys]  # extras: top-level
+    keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
+    keys += [("actual_n",), ("start_step",), ("episode_id",)]
+    return keys
 
 
 def _host_nstep_values(
