@@ -190,16 +190,16 @@ def nstep_batch(
 
 
 @functools.lru_cache(maxsize=64)
-def _nstep_keys(obs_keys: tuple[Key, ...], step_keys: tuple[Key, ...]) -> list[Key]:
+def _nstep_keys(obs_keys: tuple[Key, ...], step_keys: tuple[Key, ...]) -> tuple[Key, ...]:
     """The keys of an n-step batch, in :func:`nstep_batch`'s value order (cached per spec:
-    the same for every batch). Callers must not change the list."""
+    the same for every batch)."""
     keys: list[Key] = []
     for key in obs_keys:
         keys += [key, ("next_observation", *key[1:])]
     keys += [key[1:] if key[0] == "extras" else key for key in step_keys]  # extras: top-level
     keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
     keys += [("actual_n",), ("start_step",), ("episode_id",)]
-    return keys
+    return tuple(keys)
 
 
 def _host_nstep_values(

@@ -556,7 +556,7 @@ def _tensordict(leaves: dict[Key, torch.Tensor]) -> TensorDict:
 
 
 def build_tensordict(
-    keys: list[Key],
+    keys: Sequence[Key],
     values: list[torch.Tensor],
     rows: int | tuple[int, ...],
     device: torch.device | None,
