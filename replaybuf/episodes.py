@@ -837,7 +837,7 @@ class EpisodeCore:
         changes nothing, and flushes and evictions come in the same order on every path (the
         anchor order, so seeded draws, follows it)."""
         stager = self._stager
-        if stager is not None and len(stager.rows) + min(rows, stager.capacity) > stager.capacity:
+        if stager is not None and not stager.fits(min(rows, stager.capacity)):
             self.flush()
 
     def _final_row(self, episode: Episode, end_kind: int) -> int:
