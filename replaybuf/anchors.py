@@ -13,6 +13,8 @@ those columns on the CPU, and elsewhere a device copy updated when read (:mod:`r
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
 
@@ -24,7 +26,13 @@ Rows = torch.Tensor | np.ndarray  # int64 rows on the host
 class AnchorSet:
     """The set of rows that may start a sample, packed for uniform draws."""
 
-    def __init__(self, capacity: int, device: torch.device, mirror: bool | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        device: torch.device,
+        mirror: bool | None = None,
+        kernels: ModuleType | None = None,
+    ) -> None:
         self._rows = torch.full((capacity,), -1, dtype=torch.long)
         self._pos = torch.full((capacity,), -1, dtype=torch.long)
         self._host = (self._rows.numpy(), self._pos.numpy())  # every update goes through these
@@ -33,6 +41,9 @@ class AnchorSet:
         self._mirror: DeviceMirror | None = None
         if mirror or (mirror is None and device.type != "cpu"):
             self._mirror = DeviceMirror(self._host, device)
+        # replaybuf.kernels.remove_anchors for removals (None: numpy); not with a device copy,
+        # which needs the places and rows each removal changed, as the numpy path has them.
+        self._kernels = kernels if self._mirror is None else None
 
     def __len__(self) -> int:
         return self.count
@@ -106,6 +117,9 @@ class AnchorSet:
     def remove_present(self, rows: Rows) -> None:
         """Remove those of ``rows`` that are in the set (each row once)."""
         rows = _host(rows)
+        if self._kernels is not None:
+            self.count = self._kernels.remove_anchors(rows, *self._host, self.count)
+            return
         at = self._host[1][rows]  # one gather of the places, for the test and the holes
         present = at >= 0
         self._remove(rows[present], at[present])

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -186,6 +187,7 @@ class RowLinks:
         device: torch.device,
         backward: bool = False,
         mirror: bool | None = None,
+        kernels: ModuleType | None = None,
     ) -> None:
         long = {"dtype": torch.long}
         self._tensors: dict[str, torch.Tensor | None] = {
@@ -215,6 +217,11 @@ class RowLinks:
         # numpy views for the n-step sampler on CPU storage (None: it runs in torch, on the
         # device copy, with no host synchronisation).
         self.host: HostLinks | None = None if self._mirror is not None else self._master
+        # replaybuf.kernels' place/connect/release loops (None: the numpy paths), with
+        # prev_row as an empty column when it is not kept.
+        self._kernels = kernels
+        no_prev = np.empty(0, np.int64)
+        self._prev = no_prev if self._master.prev_row is None else self._master.prev_row
 
     def column(self, name: str) -> torch.Tensor | None:
         """A column on the storing device, with every write so far."""
@@ -249,6 +256,13 @@ class RowLinks:
         no successor (and no predecessor) until :meth:`connect` links it."""
         self.version += 1
         c = self._master
+        if self._kernels is not None:
+            self._kernels.place_rows(
+                rows, episodes, steps, ends, allocations,
+                c.next_row, c.succ, c.episode, c.end_kind, c.step, c.alloc, self._prev,
+            )  # fmt: skip
+            self._touched(rows)
+            return
         c.next_row[rows] = -1
         c.succ[rows] = rows
         c.episode[rows] = episodes
@@ -264,10 +278,14 @@ class RowLinks:
         ``sources`` as a new CPU tensor."""
         self.version += 1
         c = self._master
-        c.next_row[sources] = targets
-        c.succ[sources] = targets
+        if self._kernels is not None:
+            self._kernels.connect_rows(sources, targets, c.next_row, c.succ, self._prev)
+        else:
+            c.next_row[sources] = targets
+            c.succ[sources] = targets
+            if c.prev_row is not None:
+                c.prev_row[targets] = sources
         if c.prev_row is not None:
-            c.prev_row[targets] = sources
             self._touched(targets)
         self._touched(sources)
         return torch.from_numpy(sources.copy())
@@ -276,12 +294,15 @@ class RowLinks:
         """Free rows (int64): no episode, successor, predecessor or end kind."""
         self.version += 1
         c = self._master
-        c.next_row[rows] = -1
-        c.succ[rows] = rows
-        c.episode[rows] = -1
-        c.end_kind[rows] = END_NONE
-        if c.prev_row is not None:
-            c.prev_row[rows] = -1
+        if self._kernels is not None:
+            self._kernels.release_rows(rows, c.next_row, c.succ, c.episode, c.end_kind, self._prev)
+        else:
+            c.next_row[rows] = -1
+            c.succ[rows] = rows
+            c.episode[rows] = -1
+            c.end_kind[rows] = END_NONE
+            if c.prev_row is not None:
+                c.prev_row[rows] = -1
         self._touched(rows)
 
     def jumps(self, levels: int) -> list[torch.Tensor]:
@@ -351,13 +372,17 @@ class EpisodeCore:
         capacity = slots.capacity
         device = slots.storing_device
         check_bookkeeping_space(capacity, device, frame_stack is not None)
-        self.links = RowLinks(capacity, device, backward=frame_stack is not None)
-        # replaybuf.kernels for the n-step index math on CPU storage (None: numpy), chosen and
-        # loaded (on a fresh install: compiled) here, not at the first sample.
-        self.kernels = compiled_kernels() if device.type == "cpu" else None
+        # replaybuf.kernels (None: numpy), chosen and loaded (on a fresh install: compiled)
+        # here, not at the first write or sample: the bookkeeping writes run on the host
+        # whatever the storing device; the n-step index math uses them on CPU storage.
+        host_kernels = compiled_kernels()
+        self.kernels = host_kernels if device.type == "cpu" else None
         if self.kernels is not None:  # rows of interleaved episodes land all over the columns
             slots.row_scatter = self.kernels.scatter_rows
-        self.anchors = AnchorSet(capacity, device)
+        self.links = RowLinks(
+            capacity, device, backward=frame_stack is not None, kernels=host_kernels
+        )
+        self.anchors = AnchorSet(capacity, device, kernels=host_kernels)
         # The free rows, popped from the end (row 0 first); an int64 array, not a list of Python
         # ints (36 bytes a row: 360 MB at 10M rows).
         self.free = array("q", range(capacity - 1, -1, -1))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replaybuf.anchors import AnchorSet
+from replaybuf.compiled import compiled_kernels, kernels_unavailable_reason
 
 CAPACITY = 16
 
@@ -55,34 +56,52 @@ ops = st.lists(
 )
 
 
-@pytest.mark.parametrize("mirror", [False, True])
+NO_KERNELS = kernels_unavailable_reason()
+PATHS = [
+    "numpy",
+    "mirror",
+    pytest.param(
+        "compiled", marks=pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+    ),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, seed=st.integers(0, 2**16), numpy_rows=st.booleans(), reads=st.booleans())
-def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed, numpy_rows, reads, mirror):
+def test_random_adds_and_removes_keep_rows_and_pos_consistent(ops, seed, numpy_rows, reads, path):
+    """Against a model set; and every path (numpy on the host, a device copy, the compiled
+    removal) keeps the rows in the same order as the numpy path (the order seeded draws see)."""
     # reads=False: the device copy sees every update at once, at the end.
-    anchors = AnchorSet(CAPACITY, torch.device("cpu"), mirror=mirror)
+    mirror = path == "mirror"
+    kernels = compiled_kernels() if path == "compiled" else None
+    anchors = AnchorSet(CAPACITY, torch.device("cpu"), mirror=mirror, kernels=kernels)
+    assert (anchors._kernels is not None) == (path == "compiled")
+    twin = AnchorSet(CAPACITY, torch.device("cpu"))  # the numpy path
     if mirror:
         assert anchors.rows.data_ptr() != anchors._rows.data_ptr()  # a copy, read here
     model: set[int] = set()
     generator = torch.Generator().manual_seed(seed)
+    shuffler = torch.Generator().manual_seed(seed + 1)
     for op, rows in ops:
-        if op == "add":
-            new = sorted(rows - model)
-            anchors.add(as_rows(new, numpy_rows))
-            model |= set(new)
-        elif op == "remove":
-            old = sorted(rows & model)
-            anchors.remove(as_rows(old, numpy_rows))
-            model -= set(old)
-        else:  # rows in and out of the set
-            anchors.remove_present(as_rows(sorted(rows), numpy_rows))
-            model -= rows
+        order = torch.randperm(CAPACITY, generator=shuffler).tolist()
+        for target in (anchors, twin):
+            if op == "add":
+                target.add(as_rows(sorted(rows - model), numpy_rows))
+            elif op == "remove":
+                target.remove(as_rows(sorted(rows & model), numpy_rows))
+            else:  # rows in and out of the set, in a random order
+                target.remove_present(as_rows([r for r in order if r in rows], numpy_rows))
+        model = model | rows if op == "add" else model - rows
         if not reads:
             continue
+        assert anchors.rows.tolist() == twin.rows.tolist()
         assert_consistent(anchors, model)
         if model:
             drawn = anchors.sample(8, generator).tolist()
             assert set(drawn) <= model
             distinct = anchors.sample_distinct(CAPACITY + 1, generator).tolist()
             assert sorted(distinct) == sorted(model)
+    assert anchors.rows.tolist() == twin.rows.tolist()
+    assert anchors.pos.tolist() == twin.pos.tolist()
     assert_consistent(anchors, model)

@@ -6,6 +6,7 @@ storage takes; mirrored on the CPU here)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from unittest import mock
 
 import numpy as np
@@ -16,9 +17,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
+from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
 from replaybuf.episodes import EpisodeCore
 from replaybuf.index import END_NONE
 
+NO_KERNELS = kernels_unavailable_reason()
 COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
 
 
@@ -212,6 +215,62 @@ def test_an_eviction_flushes_only_for_rows_still_staged():
     assert new not in core.episodes
     assert buf.get_episode(last)["observation"][:, 0].tolist() == [20.0, 21.0, 22.0]
     assert_bookkeeping(core)
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@settings(max_examples=60, deadline=None)
+@given(ops_=ops, flush_rows=st.sampled_from([3, 64]))
+def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_rows):
+    """The compiled place/connect/release and anchor removal (replaybuf.kernels) leave every
+    column, the anchor order and the free list as the numpy paths do."""
+    cores = []
+    for flag in ("1", "0"):
+        with (
+            mock.patch.dict(os.environ, {NUMBA_ENV: flag}),  # read when the core is built
+            mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+        ):
+            cores.append(run(ops_, frame_stack))
+    compiled, numpy = cores
+    assert compiled.links._kernels is not None
+    assert compiled.anchors._kernels is not None
+    assert numpy.links._kernels is None
+    assert numpy.anchors._kernels is None
+    assert_same_bookkeeping(compiled, numpy)
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing():
+    from replaybuf import kernels
+
+    def columns() -> list[np.ndarray]:  # next_row, succ, episode, end_kind, step, alloc, prev
+        long = [np.full(4, -1, np.int64) for _ in range(6)]
+        return [*long[:3], np.zeros(4, np.int8), *long[3:]]
+
+    def ints(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    for bad in (4, -1):
+        cols = columns()
+        with pytest.raises(IndexError, match="row out of range"):
+            kernels.place_rows(ints(0, bad), ints(7, 7), ints(0, 1), ints(0, 0), ints(3, 4), *cols)
+        with pytest.raises(IndexError, match="row out of range"):
+            kernels.connect_rows(ints(0, 1), ints(2, bad), cols[0], cols[1], cols[6])
+        with pytest.raises(IndexError, match="row out of range"):
+            kernels.release_rows(ints(1, bad), *cols[:4], cols[6])
+        rows, pos = ints(0, 1, -1, -1), ints(0, 1, -1, -1)
+        with pytest.raises(IndexError, match="row out of range"):
+            kernels.remove_anchors(ints(0, bad), rows, pos, 2)
+        assert all((c == f).all() for c, f in zip(cols, columns(), strict=True))
+        assert rows.tolist() == pos.tolist() == [0, 1, -1, -1]
+    cols = columns()
+    with pytest.raises(ValueError, match="differ in length"):
+        kernels.place_rows(ints(0, 1), ints(7), ints(0, 1), ints(0, 0), ints(3, 4), *cols)
+    with pytest.raises(ValueError, match="differ in length"):
+        kernels.connect_rows(ints(0, 1), ints(2), cols[0], cols[1], cols[6])
+    with pytest.raises(ValueError, match="count or columns"):
+        kernels.remove_anchors(ints(0), ints(0, 1, -1, -1), ints(0, 1, -1, -1), 5)
+    assert all((c == f).all() for c, f in zip(cols, columns(), strict=True))
 
 
 def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:
