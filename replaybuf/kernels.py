@@ -1,6 +1,7 @@
 """Compiled CPU kernels (numba; the ``fast`` extra): prioritized draws and writes of the
-pure-torch priority index, n-step windows over CPU episode storage, and the scattered row
-writes of episode storage.
+pure-torch priority index, n-step windows over CPU episode storage, the scattered row
+writes of episode storage, and the row bookkeeping (links, anchors) a flush and an eviction
+write, on the host whatever the storing device.
 
 Written by hand because neither torch, numpy nor TorchRL has them. Both jobs are a few hundred
 independent walks through large tables (a search per mass, a chain of links per anchor), and
@@ -29,6 +30,7 @@ _F32 = types.float32[::1]
 _I64 = types.int64[::1]
 _I8 = types.int8[::1]
 _BOOL = types.boolean[::1]
+_I64_IN = types.Array(types.int64, 1, "C", readonly=True)  # read only: writable ones convert
 END_NONE, END_TERMINATED, END_TRUNCATED = 0, 1, 2  # replaybuf.index's end kinds
 
 
@@ -355,3 +357,55 @@ def remove_anchors(old: np.ndarray, rows: np.ndarray, pos: np.ndarray, count: in
             hole += 1
         rows[at] = -1
     return kept
+
+
+@njit(
+    types.void(*([_I64_IN] * 3), types.int64, _I64_IN, *([_I64] * 4), _I8, _I64, _I64, _I64),
+    cache=True,
+    boundscheck=False,
+)
+def place_batches(
+    rows: np.ndarray,
+    ids: np.ndarray,
+    steps: np.ndarray,
+    first: int,
+    tail: np.ndarray,
+    sources: np.ndarray,
+    next_row: np.ndarray,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    step: np.ndarray,
+    alloc: np.ndarray,
+    prev_row: np.ndarray,
+) -> None:
+    """``place_rows`` then ``connect_rows`` for a batch run's batches (``rows``: one row per
+    episode of ``ids`` per batch, batch-major), without the per-row columns a flush would
+    pack first: row ``i`` (batch ``b``, episode ``c``) gets episode ``ids[c]``, step
+    ``steps[c] + b`` and allocation ``first + i``, and is linked from ``tail[c]`` (``b`` = 0)
+    or from the batch before's row; ``sources[i]`` gets that row (the new anchors, in the
+    order a packed flush adds them)."""
+    size = next_row.shape[0]
+    count = ids.shape[0]
+    if count == 0 or rows.shape[0] % count or sources.shape[0] != rows.shape[0]:
+        raise ValueError("place batches: rows are not whole batches, or sources differ")
+    if steps.shape[0] != count or tail.shape[0] != count:
+        raise ValueError("place batches: steps or tail differ from the episodes in length")
+    _check_rows(rows, size)
+    _check_rows(tail, size)
+    backward = prev_row.shape[0] == size
+    for i in range(rows.shape[0]):
+        b, c = divmod(i, count)
+        row = rows[i]
+        source = tail[c] if b == 0 else rows[i - count]
+        next_row[row] = -1
+        succ[row] = row
+        episode[row] = ids[c]
+        end_kind[row] = END_NONE
+        step[row] = steps[c] + b
+        alloc[row] = first + i
+        next_row[source] = row
+        succ[source] = row
+        if backward:
+            prev_row[row] = source
+        sources[i] = source

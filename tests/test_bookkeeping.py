@@ -270,7 +270,31 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
         kernels.connect_rows(ints(0, 1), ints(2), cols[0], cols[1], cols[6])
     with pytest.raises(ValueError, match="count or columns"):
         kernels.remove_anchors(ints(0), ints(0, 1, -1, -1), ints(0, 1, -1, -1), 5)
+    # A batch run's batches: two episodes (ids 7, 8), two batches, linked from rows 0 and 1.
+    batch = (ints(7, 8), ints(1, 1), 5, ints(0, 1))
+    for rows, sources, bad in [
+        (ints(2, 3, 1), ints(0, 0, 0), "not whole batches"),
+        (ints(2, 3), ints(0, 0, 0), "sources differ"),
+        (ints(2, 4), ints(0, 0), "row out of range"),
+    ]:
+        with pytest.raises((ValueError, IndexError), match=bad):
+            kernels.place_batches(rows, *batch, sources, *cols)
+    with pytest.raises(ValueError, match="steps or tail"):
+        kernels.place_batches(ints(2, 3), ints(7, 8), ints(1), 5, ints(0, 1), ints(0, 0), *cols)
+    with pytest.raises(IndexError, match="row out of range"):
+        kernels.place_batches(ints(2, 3), ints(7, 8), ints(1, 1), 5, ints(0, 9), ints(0, 0), *cols)
     assert all((c == f).all() for c, f in zip(cols, columns(), strict=True))
+    sources = ints(-5, -5)
+    kernels.place_batches(ints(2, 3), *batch, sources, *cols)  # and what it writes
+    next_row, succ, episode, end_kind, step, alloc, prev = cols
+    assert end_kind.tolist() == [0, 0, 0, 0]
+    assert sources.tolist() == [0, 1]
+    assert next_row.tolist() == [2, 3, -1, -1]
+    assert succ.tolist() == [2, 3, 2, 3]
+    assert episode.tolist()[2:] == [7, 8]
+    assert step.tolist()[2:] == [1, 1]
+    assert alloc.tolist()[2:] == [5, 6]
+    assert prev.tolist() == [-1, -1, 0, 1]
 
 
 def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:
