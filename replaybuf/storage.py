@@ -16,11 +16,13 @@ buffer). What TorchRL lacks is added here, by hand:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import math
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -368,6 +370,8 @@ class SlotStorage:
         self._row_bytes = None
         if self.storing_device.type == "cpu":
             for _, value in leaves:
+                if self.kind == "tensor":
+                    advise_huge_pages(value)
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
                     self._host_views[id(value)] = value.numpy()
             if self.row_scatter is not None and all(v.is_contiguous() for _, v in leaves):
@@ -701,3 +705,40 @@ class _PinnedStager:
             event.record()
         sets[turn] = (host, offsets, views, event)
         return _views(flat, offsets, layout)
+
+
+# Linux's madvise advice for transparent huge pages, and their size on x86-64 and arm64 (4 KiB
+# base pages): the kernel may back an advised range with 2 MiB pages as it faults them in.
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library (for madvise), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def advise_huge_pages(column: torch.Tensor) -> bool:
+    """Advise Linux to back a large CPU column's pages not faulted in yet with 2 MiB pages
+    (transparent huge pages, where the system allows them: ``madvise`` mode or ``always``).
+
+    Rows sampled at random then miss the TLB once per 2 MiB instead of once per 4 KiB: a
+    ``sample(32)`` of 28 KB pixel rows (7 pages each) from 100k rows took ~10 µs less of ~175
+    on the 2-core dev VM. TorchRL allocates the columns with ``torch.empty``, so only the rows
+    of the first write are faulted in before this; each later fault zeroes 2 MiB at once (the
+    first pass through the ring pays for that). Returns whether the advice was taken.
+    """
+    libc = _libc()
+    if libc is None or sys.platform != "linux" or column.device.type != "cpu":
+        return False
+    storage = column.untyped_storage()
+    begin = -(-storage.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages inside it
+    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= begin:
+        return False
+    size = ctypes.c_size_t(end - begin)
+    return libc.madvise(ctypes.c_void_p(begin), size, _MADV_HUGEPAGE) == 0

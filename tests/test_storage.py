@@ -510,3 +510,44 @@ def test_a_field_of_no_bytes_is_stored_and_returned_on_every_storage(make_episod
     assert record["observation"][:, 0].tolist() == [0.0, 1.0, 2.0, 0.0]
     assert record["z"].shape == (3, 0)
     assert buf.sample_n_step(4, n=2)["z"].shape == (4, 0)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux")
+@pytest.mark.parametrize("storage", ["tensor", "memmap"])
+def test_cpu_tensor_columns_are_advised_huge_pages_and_memmap_files_are_not(tmp_path, storage):
+    """A CPU tensor column (16 MiB of observations) is advised transparent huge pages once
+    TorchRL allocated it (its mapping carries the ``hg`` flag); memmap files are not."""
+    probe = torch.empty(4 << 20, dtype=torch.uint8)
+    if not replaybuf.storage.advise_huge_pages(probe):
+        pytest.skip("this kernel takes no MADV_HUGEPAGE advice")
+    assert "hg" in _vm_flags(probe.data_ptr() + (2 << 20))
+    buf = ReplayBuffer("cpu", "cpu", 4096, storage=storage, scratch_dir=tmp_path, seed=0)
+    try:
+        buf.add_batch(
+            {
+                "obs": torch.randn(8, 1024),
+                "action": torch.zeros(8),
+                "reward": torch.ones(8),
+                "done": torch.zeros(8, dtype=torch.bool),
+            }
+        )
+        column = buf._slots.column(("obs",))
+        assert column.shape == (4096, 1024)
+        middle = column.data_ptr() + column.numel() * column.element_size() // 2
+        assert ("hg" in _vm_flags(middle)) == (storage == "tensor")
+    finally:
+        buf.close()
