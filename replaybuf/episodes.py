@@ -621,20 +621,22 @@ class EpisodeCore:
 
     def remove_episode(self, episode: Episode) -> None:
         """Drop an episode and free its rows (staged writes must be flushed already)."""
-        rows = episode.rows
+        rows = array("q", episode.rows)  # a copy (one memcpy), read below and then reversed
         if episode.final_row is not None:
-            rows = rows + array("q", (episode.final_row,))
+            rows.append(episode.final_row)
         if rows:
-            held = np.array(rows, dtype=np.int64)  # a copy through the array's buffer
+            held = np.frombuffer(rows, np.int64)
             self.anchors.remove_present(held)
             self.links.release(held)
             if self.priorities is not None:  # evicted steps leave the distribution at once
                 device = self.slots.storing_device
-                self.priorities.remove(to_device_async(torch.from_numpy(held), device))
+                self.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
+            del held  # (a view: the array cannot change size while it exists)
+            rows.reverse()  # the order pops hand them out again: the episode's own
             if self.pinned:
-                self.quarantine.extend(reversed(rows))
+                self.quarantine.extend(rows)
             else:
-                self.free.extend(rows[::-1])
+                self.free.extend(rows)
         self.steps -= episode.steps
         self.valid_steps -= episode.valid_steps
         del self.episodes[episode.episode_id]  # its heap entry, if any, is dropped lazily
