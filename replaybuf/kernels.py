@@ -208,15 +208,16 @@ def nstep_windows(
     return ends, total, terminal, truncated, cut, discount, m, first_step, first_episode
 
 
-_U8_2D = types.uint8[:, ::1]
+_WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, types.uint64)]
 
 
-@njit(types.void(_U8_2D, _U8_2D, _I64), cache=True, boundscheck=False)
+@njit([types.void(w, w, _I64) for w in _WORDS_2D], cache=True, boundscheck=False)
 def scatter_rows(column: np.ndarray, staged: np.ndarray, rows: np.ndarray) -> None:
-    """``column[rows[i]] = staged[i]`` for each i, on the rows' bytes (``[slots, row bytes]``
-    views of any dtype). The episode core's flush: rows of interleaved episodes land all over
-    the column, and torch's ``index_copy_`` costs ~2x this there (~48 against ~22 µs for 512
-    rows of the W4 fields), most of it per-call set-up repeated for each field."""
+    """``column[rows[i]] = staged[i]`` for each i, on the rows' words (``[slots, row words]``
+    views of any dtype, see :func:`replaybuf.staging.row_words`). The episode core's flush:
+    rows of interleaved episodes land all over the column, and torch's ``index_copy_`` costs
+    ~2x this there (~48 against ~22 µs for 512 rows of the W4 fields), most of it per-call
+    set-up repeated for each field."""
     if staged.shape[1] != column.shape[1] or staged.shape[0] < rows.shape[0]:
         raise ValueError("row write: staged rows of another width, or fewer than the slots")
     slots = column.shape[0]

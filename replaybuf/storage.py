@@ -36,7 +36,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayB
 
 from replaybuf.errors import InsufficientSpaceError
 from replaybuf.schema import FieldSpec, Key
-from replaybuf.staging import row_bytes
+from replaybuf.staging import row_words
 
 StorageKind = Literal["memmap", "tensor"]
 STORAGE_CHOICES = ("auto", "memmap", "tensor")
@@ -307,7 +307,7 @@ class SlotStorage:
     ) -> None:
         """:meth:`write` from flat keys and ``[rows, ...]`` values (every stored key); ``last``:
         the last slot, when the caller knows it on the host; ``staged``: the values' host
-        buffers as :func:`row_bytes` views (``[slots.shape[0]`` or more rows, row bytes]), for
+        buffers as :func:`row_words` views (``[slots.shape[0]`` or more rows, row words]), for
         the compiled scatter (:attr:`row_scatter`)."""
         if not self._direct:
             rows = slots.shape[0]
@@ -318,7 +318,10 @@ class SlotStorage:
             by_key = dict(zip(keys, staged, strict=True))
             for key, column in self._row_bytes.items():
                 if column is not None:  # a field of no bytes has nothing to write
-                    self.row_scatter(column, by_key[key], at)
+                    rows = by_key[key]
+                    if rows.dtype != column.dtype:  # words of another width (an address)
+                        column, rows = column.view(np.uint8), rows.view(np.uint8)
+                    self.row_scatter(column, rows, at)
             self._record_write(slots if last is None else last, slots)
             return
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
@@ -375,7 +378,7 @@ class SlotStorage:
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
                     self._host_views[id(value)] = value.numpy()
             if self.row_scatter is not None and all(v.is_contiguous() for _, v in leaves):
-                self._row_bytes = {key: row_bytes(value) for key, value in leaves}
+                self._row_bytes = {key: row_words(value) for key, value in leaves}
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import math
 import os
 import signal
 import subprocess
@@ -393,10 +394,10 @@ SCATTER_DTYPES = [torch.uint8, torch.bool, torch.int64, torch.float32, torch.bfl
     data=st.data(),
 )
 def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, shape, slots, data):
-    """kernels.scatter_rows on row_bytes views against the slow obvious way (one row at a
+    """kernels.scatter_rows on row_words views against the slow obvious way (one row at a
     time), for every dtype and row shape; rows it does not name keep their bytes."""
     from replaybuf import kernels
-    from replaybuf.staging import row_bytes
+    from replaybuf.staging import row_words
 
     rows = data.draw(st.lists(st.integers(0, slots - 1), max_size=slots, unique=True))
     g = torch.Generator().manual_seed(len(rows))
@@ -411,28 +412,82 @@ def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, sh
     want = column.clone()
     for i, row in enumerate(rows):
         want[row] = staged[i]
-    kernels.scatter_rows(row_bytes(column), row_bytes(staged), np.array(rows, dtype=np.int64))
+    kernels.scatter_rows(row_words(column), row_words(staged), np.array(rows, dtype=np.int64))
     assert torch.equal(column.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 def test_the_compiled_row_scatter_refuses_bad_slots_and_sizes_and_writes_nothing():
     from replaybuf import kernels
-    from replaybuf.staging import row_bytes
+    from replaybuf.staging import row_words
 
     column, staged = torch.zeros(4, 3), torch.ones(3, 3)
     for bad in (4, -1):
         with pytest.raises(IndexError, match="slot out of range"):
             kernels.scatter_rows(
-                row_bytes(column), row_bytes(staged), np.array([0, bad, 1], dtype=np.int64)
+                row_words(column), row_words(staged), np.array([0, bad, 1], dtype=np.int64)
             )
         assert torch.equal(column, torch.zeros(4, 3))
     for other in (torch.ones(3, 4), torch.ones(2, 3)):  # wider rows; fewer rows than slots
         with pytest.raises(ValueError, match="another width, or fewer than the slots"):
             kernels.scatter_rows(
-                row_bytes(column), row_bytes(other), np.array([0, 2, 1], dtype=np.int64)
+                row_words(column).view(np.uint8),
+                row_words(other).view(np.uint8),
+                np.array([0, 2, 1], dtype=np.int64),
             )
         assert torch.equal(column, torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "offset", "word"),
+    [
+        ((2,), torch.float32, 0, np.uint64),
+        ((3,), torch.float32, 0, np.uint32),  # 12 bytes
+        ((3,), torch.int16, 0, np.uint16),  # 6 bytes
+        ((3,), torch.uint8, 0, np.uint8),
+        ((4,), torch.uint8, 1, np.uint8),  # 4 bytes a row, at an odd address
+        ((8,), torch.uint8, 2, np.uint16),
+        ((8,), torch.uint8, 4, np.uint32),
+    ],
+)
+def test_row_words_views_rows_in_the_widest_word_their_size_and_address_allow(
+    shape, dtype, offset, word
+):
+    from replaybuf.staging import row_words
+
+    flat = torch.arange(5 * math.prod(shape) + offset).to(dtype)
+    tensor = flat[offset:].view(5, *shape)
+    view = row_words(tensor)
+    assert view.dtype == word
+    assert view.shape == (5, tensor[0].numel() * tensor.element_size() // view.itemsize)
+    assert bytes(view) == bytes(tensor.numpy())  # the same memory, row by row
+    view[1] = 0  # a view: writes land in the tensor
+    assert not tensor[1].any()
+    assert row_words(torch.zeros(5, 0)) is None
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_a_flush_scatters_staged_rows_whose_words_differ_from_the_columns(make_episode_buffer):
+    """Staged rows viewed in other words than the stored column's (another address
+    alignment) are written as bytes, to the same rows."""
+    buf = make_episode_buffer(40, 8, storage="tensor")
+    episode = buf.start_episode()
+    buf.append_observation_action_reward(episode, np.zeros(4, np.float32), 0, 0.0)
+    buf._core.flush()  # writes it: the columns exist
+    slots = buf._core.slots
+    keys = [key for key, _ in slots._leaves]
+    values = [
+        torch.full((2, *slots.column(k).shape[1:]), 7).to(slots.column(k).dtype) for k in keys
+    ]
+    staged = [None if v.numel() == 0 else v.view(2, -1).view(torch.uint8).numpy() for v in values]
+    assert any(
+        s is not None and s.dtype != w.dtype
+        for s, w in zip(staged, slots._row_bytes.values(), strict=True)
+    )
+    rows = torch.tensor([5, 9])
+    slots.write_rows(rows, keys, values, None, staged)
+    for key, value in zip(keys, values, strict=True):
+        assert torch.equal(slots.column(key)[rows], value)
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
