@@ -117,8 +117,9 @@ class AnchorSet:
     def remove_present(self, rows: Rows) -> None:
         """Remove those of ``rows`` that are in the set (each row once)."""
         rows = _host(rows)
-        if self._kernels is not None:
-            self.count = self._kernels.remove_anchors(rows, *self._host, self.count)
+        if self._kernels is not None:  # contiguous int64 rows (no copy when they are)
+            old = np.ascontiguousarray(rows, dtype=np.int64)
+            self.count = self._kernels.remove_anchors(old, *self._host, self.count)
             return
         at = self._host[1][rows]  # one gather of the places, for the test and the holes
         present = at >= 0

@@ -157,6 +157,11 @@ class _Column:
         raise AttributeError(f"RowLinks.{self.name} is read-only: write through place/connect")
 
 
+def _int64(values: np.ndarray) -> np.ndarray:
+    """Row indices as the compiled writes take them: contiguous int64 (no copy when they are)."""
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
 class RowLinks:
     """Per-row bookkeeping: links, owners, steps and end kinds, read on the storing device.
 
@@ -257,6 +262,9 @@ class RowLinks:
         self.version += 1
         c = self._master
         if self._kernels is not None:
+            rows, episodes, steps, ends, allocations = map(
+                _int64, (rows, episodes, steps, ends, allocations)
+            )
             self._kernels.place_rows(
                 rows, episodes, steps, ends, allocations,
                 c.next_row, c.succ, c.episode, c.end_kind, c.step, c.alloc, self._prev,
@@ -279,6 +287,7 @@ class RowLinks:
         self.version += 1
         c = self._master
         if self._kernels is not None:
+            sources, targets = _int64(sources), _int64(targets)
             self._kernels.connect_rows(sources, targets, c.next_row, c.succ, self._prev)
         else:
             c.next_row[sources] = targets
@@ -301,9 +310,11 @@ class RowLinks:
         """:meth:`place` and :meth:`connect` for a batch run's batches in one compiled pass
         (:func:`replaybuf.kernels.place_batches`; only when :attr:`compiled`); returns the
         rows linked from, the new anchors, as a CPU tensor."""
-        assert self._kernels is not None, "place_batches needs replaybuf.kernels"
+        if self._kernels is None:
+            raise RuntimeError("RowLinks.place_batches needs replaybuf.kernels (see compiled)")
         self.version += 1
         c = self._master
+        rows, ids, steps, tail = map(_int64, (rows, ids, steps, tail))
         sources = np.empty_like(rows)
         self._kernels.place_batches(
             rows, ids, steps, first, tail, sources,
@@ -317,6 +328,7 @@ class RowLinks:
         self.version += 1
         c = self._master
         if self._kernels is not None:
+            rows = _int64(rows)
             self._kernels.release_rows(rows, c.next_row, c.succ, c.episode, c.end_kind, self._prev)
         else:
             c.next_row[rows] = -1
@@ -631,7 +643,6 @@ class EpisodeCore:
             if self.priorities is not None:  # evicted steps leave the distribution at once
                 device = self.slots.storing_device
                 self.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
-            del held  # (a view: the array cannot change size while it exists)
             rows.reverse()  # the order pops hand them out again: the episode's own
             if self.pinned:
                 self.quarantine.extend(rows)
@@ -986,16 +997,19 @@ class EpisodeCore:
         if stager is not None and len(stager):
             last = stager.rows[-1]
             slots, values = stager.drain()
-            self.slots.write_rows(slots, stager.keys, values, last, stager.bytes)
+            self.slots.write_rows(slots, stager.keys, values, last, stager.words)
         run = self._run
-        if run is not None and self.links.compiled:
+        if run is not None and self.links.compiled and self.priorities is None:
             # The run's batches straight into the columns in one compiled pass, after what was
-            # packed before them (staging order), instead of packing them first (~1.5 µs less
-            # per 64-env append_batch).
+            # packed before them (staging order), instead of packing them first (~0.5 µs less
+            # per 64-env append_batch). Not with priorities: there each part's admission
+            # writes the priority tree (a host copy on CUDA), so they stay one packed part.
             self._apply_packed()
-            taken = run.take()
+            taken = run.pending()
             if taken is not None:
-                self._admit(self.links.place_batches(*taken))
+                starts = self.links.place_batches(*taken)
+                run.commit()  # only now: a failed placement leaves the batches pending
+                self._admit(starts)
         self._pack_staged()
         self._apply_packed()
         self.flushes += 1  # only now: everything staged before is in storage
@@ -1061,28 +1075,32 @@ class _BatchRun:
         self.batches.append(rows)
         self.allocations = allocations
 
-    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | None:
-        """The batches not packed yet, which count as packed from now on, or None: their rows
-        (flat, batch-major), the episodes' ids, each episode's step in the first of them, the
-        first's allocation and the rows the first links from (the batch before's)."""
+    def pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | None:
+        """The batches not packed yet, or None: their rows (flat, batch-major), the episodes'
+        ids, each episode's step in the first of them, the first's allocation and the rows
+        the first links from (the batch before's). Nothing changes until :meth:`commit`."""
         new = self.batches[self.packed :]
         if not new:
             return None
-        count, batches = len(self.ids), len(new)
         rows = np.frombuffer(b"".join(new), np.int64)
         # The run's batches were the last rows handed out, one allocation each, in order.
-        first = self.allocations - batches * count
-        taken = (rows, self.ids, self.steps, first, np.frombuffer(self.tail, np.int64))
-        self.steps = self.steps + batches  # a new array: the taken one stays as it was
-        self.tail, self.packed = new[-1], len(self.batches)
+        first = self.allocations - len(new) * len(self.ids)
+        return rows, self.ids, self.steps, first, np.frombuffer(self.tail, np.int64)
+
+    def commit(self) -> None:
+        """Count the :meth:`pending` batches as packed (their bookkeeping placed or packed)."""
+        batches = len(self.batches) - self.packed
+        if not batches:
+            return
+        self.steps = self.steps + batches  # a new array: a pending() result stays as it was
+        self.tail, self.packed = self.batches[-1], len(self.batches)
         if self.packed >= _SETTLE_BATCHES:
             self.settle_rows()
-        return taken
 
     def pack(self, packed: _Packed) -> None:
         """Add the bookkeeping of the batches not packed yet to ``packed``: each row's
         episode, step and allocation, and the link from the previous batch's row."""
-        taken = self.take()
+        taken = self.pending()
         if taken is None:
             return
         rows, ids, first_steps, first, tail = taken
@@ -1095,6 +1113,7 @@ class _BatchRun:
         packed.sources.frombytes(_bytes(tail))
         packed.sources.frombytes(_bytes(rows[:-count]))
         packed.targets.frombytes(_bytes(rows))
+        self.commit()
 
     def settle_rows(self) -> None:
         """Append the batches' rows to their episodes' ``own`` arrays; drop the batches that

@@ -247,7 +247,20 @@ def _check_rows(rows: np.ndarray, size: int) -> None:
             raise IndexError("bookkeeping write: a row out of range")
 
 
-@njit(types.void(*([_I64] * 8), _I8, _I64, _I64, _I64), cache=True, boundscheck=False)
+@njit(cache=True)
+def _kept(column: np.ndarray, size: int) -> bool:
+    """Whether an optional column is kept (``size`` rows) or not (empty); refuses other
+    lengths, which the unchecked writes would run past."""
+    if column.shape[0] != 0 and column.shape[0] != size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    return column.shape[0] == size
+
+
+@njit(
+    types.void(*([_I64_IN] * 5), *([_I64] * 3), _I8, _I64, _I64, _I64),
+    cache=True,
+    boundscheck=False,
+)
 def place_rows(
     rows: np.ndarray,
     episodes: np.ndarray,
@@ -268,8 +281,12 @@ def place_rows(
     count = rows.shape[0]
     if not episodes.shape[0] == steps.shape[0] == ends.shape[0] == allocations.shape[0] == count:
         raise ValueError("place: the row columns differ in length")
+    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    if not step.shape[0] == alloc.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    backward = _kept(prev_row, size)
     _check_rows(rows, size)
-    backward = prev_row.shape[0] == size
     for i in range(count):
         row = rows[i]
         next_row[row] = -1
@@ -282,7 +299,7 @@ def place_rows(
             prev_row[row] = -1
 
 
-@njit(types.void(_I64, _I64, _I64, _I64, _I64), cache=True, boundscheck=False)
+@njit(types.void(_I64_IN, _I64_IN, _I64, _I64, _I64), cache=True, boundscheck=False)
 def connect_rows(
     sources: np.ndarray,
     targets: np.ndarray,
@@ -294,9 +311,11 @@ def connect_rows(
     size = next_row.shape[0]
     if sources.shape[0] != targets.shape[0]:
         raise ValueError("connect: sources and targets differ in length")
+    if succ.shape[0] != size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    backward = _kept(prev_row, size)
     _check_rows(sources, size)
     _check_rows(targets, size)
-    backward = prev_row.shape[0] == size
     for i in range(sources.shape[0]):
         source, target = sources[i], targets[i]
         next_row[source] = target
@@ -305,7 +324,7 @@ def connect_rows(
             prev_row[target] = source
 
 
-@njit(types.void(_I64, _I64, _I64, _I64, _I8, _I64), cache=True, boundscheck=False)
+@njit(types.void(_I64_IN, _I64, _I64, _I64, _I8, _I64), cache=True, boundscheck=False)
 def release_rows(
     rows: np.ndarray,
     next_row: np.ndarray,
@@ -316,8 +335,10 @@ def release_rows(
 ) -> None:
     """``RowLinks.release``: rows get no episode, successor, predecessor or end kind."""
     size = next_row.shape[0]
+    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    backward = _kept(prev_row, size)
     _check_rows(rows, size)
-    backward = prev_row.shape[0] == size
     for i in range(rows.shape[0]):
         row = rows[i]
         next_row[row] = -1
@@ -328,7 +349,7 @@ def release_rows(
             prev_row[row] = -1
 
 
-@njit(types.int64(_I64, _I64, _I64, types.int64), cache=True, boundscheck=False)
+@njit(types.int64(_I64_IN, _I64, _I64, types.int64), cache=True, boundscheck=False)
 def remove_anchors(old: np.ndarray, rows: np.ndarray, pos: np.ndarray, count: int) -> int:
     """``AnchorSet.remove_present`` on its columns (``rows[:count]`` packed, ``pos`` each
     row's place or -1); returns the new count. The same moves as the numpy path, in the same
@@ -392,9 +413,13 @@ def place_batches(
         raise ValueError("place batches: rows are not whole batches, or sources differ")
     if steps.shape[0] != count or tail.shape[0] != count:
         raise ValueError("place batches: steps or tail differ from the episodes in length")
+    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    if not step.shape[0] == alloc.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    backward = _kept(prev_row, size)
     _check_rows(rows, size)
     _check_rows(tail, size)
-    backward = prev_row.shape[0] == size
     for i in range(rows.shape[0]):
         b, c = divmod(i, count)
         row = rows[i]

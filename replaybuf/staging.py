@@ -44,8 +44,8 @@ class RowStager:
         self.arrays: list[np.ndarray] | None = None
         with contextlib.suppress(TypeError):
             self.arrays = [column.numpy() for column in self.columns]
-        # The columns' bytes, for the compiled scatter into storage (SlotStorage.write_rows).
-        self.bytes = [row_words(column) for column in self.columns]
+        # The columns as row words, for the compiled scatter into storage (SlotStorage.write_rows).
+        self.words = [row_words(column) for column in self.columns]
         self._slices: dict[tuple[int, int], list[torch.Tensor]] = {}  # see slices
 
     def slices(self, at: int, count: int) -> list[torch.Tensor]:

@@ -16,13 +16,11 @@ buffer). What TorchRL lacks is added here, by hand:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import math
 import os
 import shutil
-import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +33,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
 
 from replaybuf.errors import InsufficientSpaceError
+from replaybuf.hugepages import advise_huge_pages
 from replaybuf.schema import FieldSpec, Key
 from replaybuf.staging import row_words
 
@@ -163,9 +162,9 @@ class SlotStorage:
         self._host_views: dict[int, np.ndarray] = {}
         # A compiled row scatter (replaybuf.kernels.scatter_rows) that write_rows uses on CPU
         # storage instead of index_copy_, set by the episode core (whose rows land all over the
-        # columns); with it, each column's bytes as [slots, row bytes] (None: a row of no bytes).
+        # columns); with it, each column as [slots, row words] (None: a row of no bytes).
         self.row_scatter: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
-        self._row_bytes: dict[Key, np.ndarray | None] | None = None
+        self._row_words: dict[Key, np.ndarray | None] | None = None
         self._stager = _PinnedStager()
         self.memory = self._new_memory()
 
@@ -192,7 +191,7 @@ class SlotStorage:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
         self._host_views = {}
-        self._row_bytes = None
+        self._row_words = None
         self._index_known = 0
         self._flat_names = None
         self._direct = False
@@ -313,10 +312,10 @@ class SlotStorage:
             rows = slots.shape[0]
             self._write_through_torchrl(slots, build_tensordict(keys, values, rows, _CPU))
             return
-        if staged is not None and self._row_bytes is not None and self.row_scatter is not None:
+        if staged is not None and self._row_words is not None and self.row_scatter is not None:
             at = slots.numpy()
             by_key = dict(zip(keys, staged, strict=True))
-            for key, column in self._row_bytes.items():
+            for key, column in self._row_words.items():
                 if column is not None:  # a field of no bytes has nothing to write
                     rows = by_key[key]
                     if rows.dtype != column.dtype:  # words of another width (an address)
@@ -370,7 +369,7 @@ class SlotStorage:
         self._leaves = leaves
         self._columns = dict(leaves)
         self._host_views = {}
-        self._row_bytes = None
+        self._row_words = None
         if self.storing_device.type == "cpu":
             for _, value in leaves:
                 if self.kind == "tensor":
@@ -378,7 +377,7 @@ class SlotStorage:
                 with contextlib.suppress(TypeError):  # bfloat16 and others numpy lacks
                     self._host_views[id(value)] = value.numpy()
             if self.row_scatter is not None and all(v.is_contiguous() for _, v in leaves):
-                self._row_bytes = {key: row_words(value) for key, value in leaves}
+                self._row_words = {key: row_words(value) for key, value in leaves}
         index = stored.get(_TORCHRL_INDEX_KEY[0], None)  # TorchRL's own column of row slots
         self._index_column = None if index is None else index.as_subclass(torch.Tensor)
         # Direct writes repeat TorchRL's bookkeeping through its own methods: only where this
@@ -708,40 +707,3 @@ class _PinnedStager:
             event.record()
         sets[turn] = (host, offsets, views, event)
         return _views(flat, offsets, layout)
-
-
-# Linux's madvise advice for transparent huge pages, and their size on x86-64 and arm64 (4 KiB
-# base pages): the kernel may back an advised range with 2 MiB pages as it faults them in.
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-@functools.cache
-def _libc() -> Any:
-    """The C library (for madvise), or None where it cannot be loaded."""
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def advise_huge_pages(column: torch.Tensor) -> bool:
-    """Advise Linux to back a large CPU column's pages not faulted in yet with 2 MiB pages
-    (transparent huge pages, where the system allows them: ``madvise`` mode or ``always``).
-
-    Rows sampled at random then miss the TLB once per 2 MiB instead of once per 4 KiB: a
-    ``sample(32)`` of 28 KB pixel rows (7 pages each) from 100k rows took ~10 µs less of ~175
-    on the 2-core dev VM. TorchRL allocates the columns with ``torch.empty``, so only the rows
-    of the first write are faulted in before this; each later fault zeroes 2 MiB at once (the
-    first pass through the ring pays for that). Returns whether the advice was taken.
-    """
-    libc = _libc()
-    if libc is None or sys.platform != "linux" or column.device.type != "cpu":
-        return False
-    storage = column.untyped_storage()
-    begin = -(-storage.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages inside it
-    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= begin:
-        return False
-    size = ctypes.c_size_t(end - begin)
-    return libc.madvise(ctypes.c_void_p(begin), size, _MADV_HUGEPAGE) == 0

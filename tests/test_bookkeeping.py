@@ -284,6 +284,9 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
     with pytest.raises(IndexError, match="row out of range"):
         kernels.place_batches(ints(2, 3), ints(7, 8), ints(1, 1), 5, ints(0, 9), ints(0, 0), *cols)
     assert all((c == f).all() for c, f in zip(cols, columns(), strict=True))
+    cols[6][2] = 0  # a stale predecessor: placing row 2 clears it
+    kernels.place_rows(ints(2), ints(7), ints(0), ints(0), ints(1), *cols)
+    assert cols[6][2] == -1
     sources = ints(-5, -5)
     kernels.place_batches(ints(2, 3), *batch, sources, *cols)  # and what it writes
     next_row, succ, episode, end_kind, step, alloc, prev = cols
@@ -295,6 +298,116 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
     assert step.tolist()[2:] == [1, 1]
     assert alloc.tolist()[2:] == [5, 6]
     assert prev.tolist() == [-1, -1, 0, 1]
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_the_bookkeeping_kernels_refuse_columns_of_other_lengths():
+    """Unchecked writes index every column by rows checked against ``next_row``'s length:
+    a column of another length is refused before anything is written."""
+    from replaybuf import kernels
+
+    ints = np.array([0, 1], dtype=np.int64)
+    for short in range(1, 7):  # succ, episode, end_kind, step, alloc, prev_row (next_row's
+        # length is the size the others are checked against)
+        cols = [np.full(4, -1, np.int64) for _ in range(7)]
+        cols[3] = np.zeros(4, np.int8)
+        cols[short] = cols[short][:3]
+        with pytest.raises(ValueError, match="columns differ in length"):
+            kernels.place_rows(ints, ints, ints, ints * 0, ints, *cols)
+        with pytest.raises(ValueError, match="columns differ in length"):
+            kernels.place_batches(ints, ints, ints, 0, ints, ints.copy(), *cols)
+        if short in (1, 6):
+            with pytest.raises(ValueError, match="columns differ in length"):
+                kernels.connect_rows(ints, ints[::-1].copy(), cols[0], cols[1], cols[6])
+        if short in (1, 2, 3, 6):
+            with pytest.raises(ValueError, match="columns differ in length"):
+                kernels.release_rows(ints, *cols[:4], cols[6])
+        assert all((c[:3] == (0 if c.dtype == np.int8 else -1)).all() for c in cols)
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@pytest.mark.parametrize("form", ["strided", "int32", "read-only", "tensor"])
+def test_compiled_writes_take_the_row_arrays_the_numpy_paths_take(form):
+    """Rows given strided, as int32, read-only or as a tensor: the compiled writes (which
+    take contiguous int64) convert them and write what the numpy paths write."""
+    from replaybuf.anchors import AnchorSet
+    from replaybuf.compiled import compiled_kernels
+    from replaybuf.episodes import RowLinks
+
+    def rows(*values: int):
+        wide = np.repeat(np.array(values, dtype=np.int64), 2)  # every value twice
+        if form == "strided":
+            return wide[::2]
+        if form == "int32":
+            return np.array(values, dtype=np.int32)
+        if form == "tensor":
+            return torch.tensor(values)
+        frozen = np.array(values, dtype=np.int64)
+        frozen.setflags(write=False)
+        return frozen
+
+    cpu = torch.device("cpu")
+    results = []
+    for kernels in (compiled_kernels(), None):
+        links = RowLinks(8, cpu, backward=True, kernels=kernels)
+        anchors = AnchorSet(8, cpu, kernels=kernels)
+        place = [rows(1, 4, 6), rows(9, 9, 9), rows(0, 1, 2), rows(0, 0, 1), rows(5, 6, 7)]
+        if form == "tensor":  # RowLinks takes numpy rows; AnchorSet either
+            place = [p.numpy() for p in place]
+        links.place(*place)
+        sources, targets = (rows(1, 4), rows(4, 6))
+        if form == "tensor":
+            sources, targets = sources.numpy(), targets.numpy()
+        starts = links.connect(sources, targets)
+        anchors.add(starts)
+        anchors.add(torch.tensor([0, 3]))
+        anchors.remove_present(rows(3, 4, 7))
+        links.release(rows(6) if form != "tensor" else rows(6).numpy())
+        results.append(
+            [getattr(links, n).tolist() for n in COLUMNS] + [anchors.rows.tolist(), len(anchors)]
+        )
+    assert results[0] == results[1]
+
+
+def test_an_evicted_episodes_rows_are_handed_out_again_in_its_own_order():
+    """Eviction pushes an episode's rows (and final row) so that the next ones handed out are
+    its first row, then its second, ...: the free list's order, which checkpoints save and
+    which decides where the next steps land."""
+    buf = SyncEpisodeReplayBuffer(4, 8, storage="tensor", seed=0)
+    core = buf._core
+    first = buf.start_episode()
+    for t in range(4):
+        buf.append_observation_action_reward(first, np.full(3, t, np.float32), 0, 1.0)
+    buf.end_episode(first, "truncated", np.full(3, 4.0, np.float32))
+    held = [*core.episodes[first].rows, core.episodes[first].final_row]
+    second = buf.start_episode()
+    buf.append_observation_action_reward(second, np.zeros(3, np.float32), 0, 1.0)  # evicts
+    assert first not in core.episodes
+    taken = core.episodes[second].rows[0]
+    assert list(core.free)[-len(held) + 1 :] == held[:0:-1]  # pops give held[1], held[2], ...
+    assert taken == held[0]
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_a_failed_placement_of_a_batch_run_leaves_it_pending(monkeypatch):
+    """If placing a batch run's rows raises, the run keeps its batches: the next flush places
+    them, and the bookkeeping is whole."""
+    buf = SyncEpisodeReplayBuffer(64, 8, storage="tensor", seed=0)
+    core = buf._core
+    ids = [buf.start_episode() for _ in range(3)]
+    for t in range(4):
+        obs = np.full((3, 3), t, np.float32)
+        buf.append_batch(ids, obs, np.zeros(3, np.int64), np.ones(3, np.float32))
+    assert core._run is not None
+    assert core._run.pending() is not None
+    place = core.links.place_batches
+    monkeypatch.setattr(core.links, "place_batches", mock.Mock(side_effect=IndexError("boom")))
+    with pytest.raises(IndexError, match="boom"):
+        core.flush()
+    assert core._run.pending() is not None
+    monkeypatch.setattr(core.links, "place_batches", place)
+    assert_bookkeeping(core)  # flushes: the pending batches are placed now
+    assert core._run.pending() is None
 
 
 def assert_same_bookkeeping(core: EpisodeCore, other: EpisodeCore) -> None:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_helpers import ids_of, rows, unchanged
 
+import replaybuf.hugepages
 import replaybuf.storage
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
 from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
@@ -482,7 +483,7 @@ def test_a_flush_scatters_staged_rows_whose_words_differ_from_the_columns(make_e
     staged = [None if v.numel() == 0 else v.view(2, -1).view(torch.uint8).numpy() for v in values]
     assert any(
         s is not None and s.dtype != w.dtype
-        for s, w in zip(staged, slots._row_bytes.values(), strict=True)
+        for s, w in zip(staged, slots._row_words.values(), strict=True)
     )
     rows = torch.tensor([5, 9])
     slots.write_rows(rows, keys, values, None, staged)
@@ -587,7 +588,7 @@ def test_cpu_tensor_columns_are_advised_huge_pages_and_memmap_files_are_not(tmp_
     """A CPU tensor column (16 MiB of observations) is advised transparent huge pages once
     TorchRL allocated it (its mapping carries the ``hg`` flag); memmap files are not."""
     probe = torch.empty(4 << 20, dtype=torch.uint8)
-    if not replaybuf.storage.advise_huge_pages(probe):
+    if not replaybuf.hugepages.advise_huge_pages(probe):
         pytest.skip("this kernel takes no MADV_HUGEPAGE advice")
     assert "hg" in _vm_flags(probe.data_ptr() + (2 << 20))
     buf = ReplayBuffer("cpu", "cpu", 4096, storage=storage, scratch_dir=tmp_path, seed=0)
