@@ -256,6 +256,48 @@ def _kept(column: np.ndarray, size: int) -> bool:
     return column.shape[0] == size
 
 
+@njit(cache=True)
+def _placed_columns(
+    size: int,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    step: np.ndarray,
+    alloc: np.ndarray,
+    prev_row: np.ndarray,
+) -> bool:
+    """Refuse the columns a placement writes unless each holds ``size`` rows (``prev_row``:
+    or none); returns whether ``prev_row`` is kept."""
+    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    if not step.shape[0] == alloc.shape[0] == size:
+        raise ValueError("bookkeeping write: the columns differ in length")
+    return _kept(prev_row, size)
+
+
+@njit(cache=True)
+def _place(
+    row: int,
+    owner: int,
+    end: int,
+    number: int,
+    allocation: int,
+    next_row: np.ndarray,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    step: np.ndarray,
+    alloc: np.ndarray,
+) -> None:
+    """One placed row: its episode, end kind, step and allocation, and no successor."""
+    next_row[row] = -1
+    succ[row] = row
+    episode[row] = owner
+    end_kind[row] = end
+    step[row] = number
+    alloc[row] = allocation
+
+
 @njit(
     types.void(*([_I64_IN] * 5), *([_I64] * 3), _I8, _I64, _I64, _I64),
     cache=True,
@@ -281,20 +323,14 @@ def place_rows(
     count = rows.shape[0]
     if not episodes.shape[0] == steps.shape[0] == ends.shape[0] == allocations.shape[0] == count:
         raise ValueError("place: the row columns differ in length")
-    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
-        raise ValueError("bookkeeping write: the columns differ in length")
-    if not step.shape[0] == alloc.shape[0] == size:
-        raise ValueError("bookkeeping write: the columns differ in length")
-    backward = _kept(prev_row, size)
+    backward = _placed_columns(size, succ, episode, end_kind, step, alloc, prev_row)
     _check_rows(rows, size)
     for i in range(count):
         row = rows[i]
-        next_row[row] = -1
-        succ[row] = row
-        episode[row] = episodes[i]
-        end_kind[row] = ends[i]
-        step[row] = steps[i]
-        alloc[row] = allocations[i]
+        _place(
+            row, episodes[i], ends[i], steps[i], allocations[i],
+            next_row, succ, episode, end_kind, step, alloc,
+        )  # fmt: skip
         if backward:
             prev_row[row] = -1
 
@@ -413,23 +449,17 @@ def place_batches(
         raise ValueError("place batches: rows are not whole batches, or sources differ")
     if steps.shape[0] != count or tail.shape[0] != count:
         raise ValueError("place batches: steps or tail differ from the episodes in length")
-    if not succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size:
-        raise ValueError("bookkeeping write: the columns differ in length")
-    if not step.shape[0] == alloc.shape[0] == size:
-        raise ValueError("bookkeeping write: the columns differ in length")
-    backward = _kept(prev_row, size)
+    backward = _placed_columns(size, succ, episode, end_kind, step, alloc, prev_row)
     _check_rows(rows, size)
     _check_rows(tail, size)
     for i in range(rows.shape[0]):
         b, c = divmod(i, count)
         row = rows[i]
         source = tail[c] if b == 0 else rows[i - count]
-        next_row[row] = -1
-        succ[row] = row
-        episode[row] = ids[c]
-        end_kind[row] = END_NONE
-        step[row] = steps[c] + b
-        alloc[row] = first + i
+        _place(
+            row, ids[c], END_NONE, steps[c] + b, first + i,
+            next_row, succ, episode, end_kind, step, alloc,
+        )  # fmt: skip
         next_row[source] = row
         succ[source] = row
         if backward:
