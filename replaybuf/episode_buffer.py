@@ -37,6 +37,7 @@ from replaybuf.sampling import (
     nstep_batch,
     sample_sequence_starts,
     sequence_batch,
+    uniform_host_nstep,
     with_priority_keys,
 )
 from replaybuf.schema import FieldSpec
@@ -294,6 +295,12 @@ class SyncEpisodeReplayBuffer:
         batch_size = positive_int(batch_size, "batch_size")
         n, gamma = check_n(n), check_gamma(gamma)
         self._require_steps("sample")
+        if replace:  # the common case in one pass where it applies (CPU storage and device)
+            fast = uniform_host_nstep(
+                self._core, batch_size, n, gamma, self.device, self._generator
+            )
+            if fast is not None:
+                return fast
         start, weight = draw_anchors(self._core, batch_size, replace, self._generator)
         batch = nstep_batch(self._core, start, n, gamma, self.device, self._generator)
         return with_priority_keys(self._core, batch, start, weight)

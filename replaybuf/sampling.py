@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from replaybuf.episodes import Episode, EpisodeCore
+from replaybuf.episodes import Episode, EpisodeCore, HostLinks
 from replaybuf.errors import EmptyBufferError
 from replaybuf.index import (
     END_TERMINATED,
@@ -237,6 +238,105 @@ def _host_nstep_values(
     return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]
 
 
+class _HostPlan(NamedTuple):
+    """What :func:`uniform_host_nstep` reads of the columns, looked up once per allocation."""
+
+    keys: tuple[Key, ...]  # the batch's keys, in value order (see _nstep_keys)
+    observations: tuple[np.ndarray, ...]  # host views, gathered at both window ends
+    steps: tuple[np.ndarray, ...]  # host views, gathered at the start (actions, extras)
+    rewards: np.ndarray  # the 1-D reward column
+    links: HostLinks  # the row links' host columns
+    windows: Callable[..., tuple[np.ndarray, ...]]  # kernels.nstep_windows
+
+
+def uniform_host_nstep(
+    core: EpisodeCore,
+    batch_size: int,
+    n: NArg,
+    gamma: float,
+    device: torch.device,
+    generator: torch.Generator,
+) -> TensorDict | None:
+    """A uniform draw with replacement (:func:`draw_anchors`) and its :func:`nstep_batch`, or
+    None where this path does not apply: then the caller takes those two.
+
+    It applies to CPU storage delivering on the CPU, without priorities, frame stacking or a
+    random n, where :func:`_host_nstep_values` and the compiled window kernel would run; it
+    makes the same draws and returns the same values. Handwritten as one pass because the
+    general path's per-batch lookups and conversions (views by key, the key lists, torch and
+    numpy views of the anchors) cost as much as the gathers of a small batch: W3's
+    ``sample_n_step(32)`` of 28 KB frames took 45-55 µs less on the 2-core dev VM
+    (255-300 -> 200-240 µs, beside a floor of 185-240 µs).
+    """
+    if core.priorities is not None or isinstance(n, tuple) or device.type != "cpu":
+        return None
+    plan = _host_plan(core)
+    if plan is None:
+        return None
+    start = core.anchors.sample_host(batch_size, generator)
+    rewards, host = plan.rewards, plan.links
+    ends, *info = plan.windows(
+        start,
+        _NO_N,
+        n,
+        host.succ,
+        host.end_kind,
+        host.step,
+        host.episode,
+        rewards,
+        reward_powers(gamma, n, rewards.dtype),
+        host_powers(gamma, n),
+    )
+    values: list[np.ndarray] = []
+    for view in plan.observations:
+        both = view.take(ends, axis=0)  # [2B]: the window starts, then its ends
+        values += [both[:batch_size], both[batch_size:]]
+    values += [view.take(start, axis=0) for view in plan.steps]
+    values += info
+    tensors = [torch.from_numpy(v) for v in values]
+    return build_tensordict(plan.keys, tensors, batch_size, device)
+
+
+def _host_plan(core: EpisodeCore) -> _HostPlan | None:
+    """The core's :class:`_HostPlan` (None: the path does not apply), kept in the storage's
+    ``derived`` cache, which the storage empties when it allocates or releases columns."""
+    derived = core.slots.derived
+    if _HOST_PLAN in derived:
+        return derived[_HOST_PLAN]
+    plan = derived[_HOST_PLAN] = _new_host_plan(core)
+    return plan
+
+
+def _new_host_plan(core: EpisodeCore) -> _HostPlan | None:
+    host = core.links.host
+    if core.frame_stack is not None or core.kernels is None or host is None:
+        return None
+    if not core.anchors.on_host:
+        return None
+    slots = core.slots
+    rewards = slots.host_view(("reward",))
+    if (
+        rewards is None
+        or rewards.ndim != 1
+        or rewards.dtype not in _HOST_REWARD
+        or not rewards.flags.c_contiguous
+    ):
+        return None
+    obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
+    observations = [slots.host_view(key) for key in obs_keys]
+    steps = [slots.host_view(key) for key in step_keys]
+    if not obs_keys or any(view is None for view in observations + steps):
+        return None
+    return _HostPlan(
+        _nstep_keys(obs_keys, step_keys),
+        tuple(observations),  # type: ignore[arg-type]  # none is None (checked above)
+        tuple(steps),  # type: ignore[arg-type]
+        rewards,
+        host,
+        core.kernels.nstep_windows,
+    )
+
+
 def _tensor(value: Values) -> torch.Tensor:
     """A host path's numpy result as a tensor (a view, no copy); tensors pass through."""
     return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
@@ -301,6 +401,7 @@ def _window_values(
 # integer rewards sum into the default float dtype, as the torch path does).
 _HOST_REWARD = (np.float32, np.float64)
 _NO_N = np.empty(0, np.int64)  # the kernel's "every anchor walks n_max"
+_HOST_PLAN = "sampling.uniform_host_nstep"  # its key in SlotStorage.derived
 
 
 def sequence_batch(

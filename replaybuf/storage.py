@@ -166,6 +166,10 @@ class SlotStorage:
         self.row_scatter: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._row_words: dict[Key, np.ndarray | None] | None = None
         self._stager = _PinnedStager()
+        # What readers derive from the columns and keep between calls (views, key lists), by
+        # name; emptied whenever the columns are allocated or released, so nothing derived
+        # outlives them (nor keeps a closed storage's memory mapped).
+        self.derived: dict[str, Any] = {}
         self.memory = self._new_memory()
 
     # ----------------------------------------------------------------- lifecycle
@@ -190,6 +194,7 @@ class SlotStorage:
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
+        self.derived = {}
         self._host_views = {}
         self._row_words = None
         self._index_known = 0
@@ -368,6 +373,7 @@ class SlotStorage:
                 leaves.append((key, value.as_subclass(torch.Tensor)))
         self._leaves = leaves
         self._columns = dict(leaves)
+        self.derived = {}
         self._host_views = {}
         self._row_words = None
         if self.storing_device.type == "cpu":

@@ -695,7 +695,7 @@ def test_numpy_gathers_give_the_batches_storage_delivery_gives(
     """CPU storage sampled on the CPU gathers in numpy; two buffers fed and seeded alike, one
     made to gather through SlotStorage.deliver: the same batches, key for key, dtype for
     dtype, and no field shares memory with storage."""
-    from replaybuf import sampling
+    from replaybuf import episode_buffer, sampling
 
     bufs = [make_episode_buffer(60, seed=3, storage=storage) for _ in range(2)]
     for buf in bufs:
@@ -706,6 +706,12 @@ def test_numpy_gathers_give_the_batches_storage_delivery_gives(
         sampling,
         "_host_nstep_values",
         lambda core, *args: None if core.slots is slow else host_values(core, *args),
+    )
+    one_pass = episode_buffer.uniform_host_nstep  # the first buffer's n=1 and n=3 batches
+    monkeypatch.setattr(
+        episode_buffer,
+        "uniform_host_nstep",
+        lambda core, *args: None if core.slots is slow else one_pass(core, *args),
     )
     delivered = {id(buf._core.slots): 0 for buf in bufs}
     for buf in bufs:
@@ -768,6 +774,122 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
                 torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(got[key], want[key]), key
+
+
+def _general_n_step(buf, batch_size, n, gamma):
+    """``sample_n_step`` through draw_anchors and nstep_batch (what the one-pass path skips)."""
+    from replaybuf.sampling import draw_anchors, nstep_batch
+
+    start, _ = draw_anchors(buf._core, batch_size, True, buf._generator)
+    return nstep_batch(buf._core, start, n, gamma, buf.device, buf._generator)
+
+
+def _assert_same_batches(got: TensorDict, want: TensorDict) -> None:
+    assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
+    assert got.batch_size == want.batch_size
+    assert got.device == want.device
+    for key in want.keys(include_nested=True, leaves_only=True):
+        assert got[key].dtype == want[key].dtype, key
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    episodes=st.lists(
+        st.tuples(st.integers(0, 9), st.sampled_from(["terminated", "truncated", None])),
+        min_size=1,
+        max_size=12,
+    ),
+    max_steps=st.integers(9, 40),  # an episode in progress (<= 9 steps) is never evicted
+    storage=st.sampled_from(["tensor", "memmap"]),
+    n=st.integers(1, 5),
+    gamma=st.sampled_from([0.3, 0.5, 0.99, 1.0]),
+    batch_size=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_one_pass_uniform_n_step_batches_are_the_general_paths(
+    make_episode_buffer, episodes, max_steps, storage, n, gamma, batch_size, seed
+):
+    """``sample_n_step`` on CPU storage (draw, windows and gathers in one pass: sampling.
+    uniform_host_nstep) against draw_anchors + nstep_batch on the same buffer, the generator
+    seeded alike: the same batch, key for key, over random episode layouts with evictions,
+    episodes in progress and both end kinds."""
+    from replaybuf.sampling import _HOST_PLAN
+
+    buf = make_episode_buffer(max_steps, storage=storage)
+    for length, status in episodes:
+        ep = buf.start_episode()
+        for t in range(length):
+            buf.append_observation_action_reward(ep, *step(ep, t)[:3], extras=step(ep, t)[3])
+        if status is not None:
+            buf.end_episode(ep, status, final_obs(ep, length))
+    if len(buf) == 0:
+        with pytest.raises(EmptyBufferError):
+            buf.sample_n_step(batch_size, n=n, gamma=gamma)
+        return
+    buf._generator.manual_seed(seed)
+    got = buf.sample_n_step(batch_size, n=n, gamma=gamma)
+    assert buf._core.slots.derived[_HOST_PLAN] is not None  # the one-pass path ran
+    buf._generator.manual_seed(seed)
+    _assert_same_batches(got, _general_n_step(buf, batch_size, n, gamma))
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_the_one_pass_plan_lives_as_long_as_the_columns(make_episode_buffer):
+    """The plan (views of the columns) is kept in the storage's ``derived`` cache: built once,
+    built anew when the columns are (re)allocated, with the general path's batches still, and
+    dropped when the storage closes, so no view keeps its memory mapped."""
+    from replaybuf.sampling import _HOST_PLAN
+
+    buf = make_episode_buffer(60, seed=3, storage="memmap")
+    _fill_every_end_kind(buf)
+    slots = buf._core.slots
+    buf.sample_n_step(8)
+    plan = slots.derived[_HOST_PLAN]
+    assert plan is not None
+    buf.sample_n_step(8)
+    assert slots.derived[_HOST_PLAN] is plan  # cached
+    slots._after_first_write()  # what an allocation of the columns runs: new views
+    assert _HOST_PLAN not in slots.derived
+    buf._generator.manual_seed(9)
+    got = buf.sample_n_step(16, n=2)
+    assert slots.derived[_HOST_PLAN] is not plan
+    buf._generator.manual_seed(9)
+    _assert_same_batches(got, _general_n_step(buf, 16, 2, 0.99))
+    buf.close()
+    assert slots.derived == {}
+
+
+def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, monkeypatch):
+    """Random n, priorities, frame stacking, another device and the numpy index (no numba)
+    take the general path: uniform_host_nstep returns None for them."""
+    from replaybuf.sampling import uniform_host_nstep
+
+    def filled(**kwargs):
+        buf = make_episode_buffer(60, seed=3, **kwargs)
+        _fill_every_end_kind(buf)
+        buf.sample_n_step(4)  # flushed
+        return buf
+
+    cpu = torch.device("cpu")
+    plain = filled()
+    args = (4, 1, 0.9)
+    assert uniform_host_nstep(plain._core, 4, (1, 3), 0.9, cpu, plain._generator) is None
+    assert uniform_host_nstep(plain._core, *args, torch.device("meta"), plain._generator) is None
+    prioritized = filled(prioritized=True)
+    assert uniform_host_nstep(prioritized._core, *args, cpu, prioritized._generator) is None
+    stacked = filled(frame_stack=2)
+    assert uniform_host_nstep(stacked._core, *args, cpu, stacked._generator) is None
+    monkeypatch.setenv(NUMBA_ENV, "0")
+    numpy_index = filled()
+    assert uniform_host_nstep(numpy_index._core, *args, cpu, numpy_index._generator) is None
+    if NO_KERNELS is None:
+        assert uniform_host_nstep(plain._core, *args, cpu, plain._generator) is not None
 
 
 @pytest.mark.parametrize(
