@@ -142,7 +142,10 @@ class AnchorSet:
         """:meth:`sample`'s rows as a contiguous int64 numpy array (the same draws), for a set
         whose draws read the host columns (:attr:`on_host`); numpy's take costs ~1.5 µs less
         than torch's there."""
-        picks = torch.randint(0, self.count, (batch_size,), generator=generator)
+        # device: the host columns', not torch's default device (set_default_device("cuda")).
+        picks = torch.randint(
+            0, self.count, (batch_size,), generator=generator, device=self._rows.device
+        )
         return self._host[0].take(picks.numpy())
 
     def sample_distinct(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:

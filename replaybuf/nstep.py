@@ -51,7 +51,7 @@ def discount_powers(gamma: float, n: int, device: torch.device) -> torch.Tensor:
     if powers is None:
         if len(_POWERS) > 64:
             _POWERS.clear()
-        exact = gamma ** torch.arange(n + 1, dtype=torch.float64)
+        exact = gamma ** torch.arange(n + 1, dtype=torch.float64, device=_CPU)
         powers = exact.to(device=device, dtype=torch.float32)
         _POWERS[key] = powers
     return powers

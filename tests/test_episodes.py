@@ -811,23 +811,40 @@ def _assert_same_batches(got: TensorDict, want: TensorDict) -> None:
     gamma=st.sampled_from([0.3, 0.5, 0.99, 1.0]),
     batch_size=st.integers(1, 40),
     seed=st.integers(0, 2**31 - 1),
+    reward_dtype=st.sampled_from([torch.float32, torch.float64]),
+    nested=st.booleans(),
 )
 def test_one_pass_uniform_n_step_batches_are_the_general_paths(
-    make_episode_buffer, episodes, max_steps, storage, n, gamma, batch_size, seed
+    make_episode_buffer,
+    episodes,
+    max_steps,
+    storage,
+    n,
+    gamma,
+    batch_size,
+    seed,
+    reward_dtype,
+    nested,
 ):
     """``sample_n_step`` on CPU storage (draw, windows and gathers in one pass: sampling.
     uniform_host_nstep) against draw_anchors + nstep_batch on the same buffer, the generator
     seeded alike: the same batch, key for key, over random episode layouts with evictions,
-    episodes in progress and both end kinds."""
+    episodes in progress and both end kinds; float32 and float64 rewards (the kernel's two
+    signatures), flat and nested observations."""
     from replaybuf.sampling import _HOST_PLAN
+
+    def observed(value: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        return {"pos": value, "img": value.to(torch.uint8)} if nested else value
 
     buf = make_episode_buffer(max_steps, storage=storage)
     for length, status in episodes:
         ep = buf.start_episode()
         for t in range(length):
-            buf.append_observation_action_reward(ep, *step(ep, t)[:3], extras=step(ep, t)[3])
+            o, a, r, x = step(ep, t)
+            reward = torch.tensor(r, dtype=reward_dtype)
+            buf.append_observation_action_reward(ep, observed(o), a, reward, extras=x)
         if status is not None:
-            buf.end_episode(ep, status, final_obs(ep, length))
+            buf.end_episode(ep, status, observed(final_obs(ep, length)))
     if len(buf) == 0:
         with pytest.raises(EmptyBufferError):
             buf.sample_n_step(batch_size, n=n, gamma=gamma)
@@ -885,11 +902,57 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
     assert uniform_host_nstep(prioritized._core, *args, cpu, prioritized._generator) is None
     stacked = filled(frame_stack=2)
     assert uniform_host_nstep(stacked._core, *args, cpu, stacked._generator) is None
+    for name, dtype in (
+        ("reward", torch.float16),
+        ("reward", torch.int64),
+        ("extra", torch.bfloat16),
+    ):
+        odd = make_episode_buffer(60, seed=3)  # a field the kernel or numpy cannot take
+        for t in range(4):
+            o, a, r, x = step(0, t)
+            r = torch.tensor(r).to(dtype) if name == "reward" else r
+            extras = {**x, "extra": torch.tensor(t, dtype=dtype)} if name == "extra" else x
+            odd.append_observation_action_reward(
+                odd.start_episode() if t == 0 else 0, o, a, r, extras=extras
+            )
+        odd.sample_n_step(2, replace=False)  # flushed, by the general path
+        assert uniform_host_nstep(odd._core, *args, cpu, odd._generator) is None, (name, dtype)
+        assert odd.sample_n_step(2).batch_size == (2,)  # and sampling still works
     monkeypatch.setenv(NUMBA_ENV, "0")
     numpy_index = filled()
     assert uniform_host_nstep(numpy_index._core, *args, cpu, numpy_index._generator) is None
     if NO_KERNELS is None:
         assert uniform_host_nstep(plain._core, *args, cpu, plain._generator) is not None
+
+
+@pytest.mark.parametrize("frame_stack", [None, 2])
+def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
+    make_episode_buffer, frame_stack
+):
+    """Draws and n-step powers are made on the storing device, not torch's default one (a
+    trainer may call ``torch.set_default_device("cuda")``; the meta device stands in for it
+    here): the same batches as outside the context, on the CPU."""
+    calls = {
+        "n=1": lambda b: b.sample_n_step(8),
+        "n=3": lambda b: b.sample_n_step(8, n=3, gamma=0.7),
+        "random n": lambda b: b.sample_n_step(8, n=(1, 3)),
+        "distinct": lambda b: b.sample_n_step(8, replace=False),
+        "sequences": lambda b: b.sample_sequences(4, 2),
+        "padded sequences": lambda b: b.sample_sequences(4, 3, strict=False),
+    }
+    bufs = [make_episode_buffer(60, seed=3, frame_stack=frame_stack) for _ in range(2)]
+    for buf in bufs:
+        _fill_every_end_kind(buf)
+    from replaybuf import nstep
+
+    for name, call in calls.items():
+        want = call(bufs[0])
+        nstep._POWERS.clear()  # so that the powers are made again inside the context
+        nstep._HOST_POWERS.clear()
+        with torch.device("meta"):
+            got = call(bufs[1])
+        assert got.device == torch.device("cpu"), name
+        _assert_same_batches(got, want)
 
 
 @pytest.mark.parametrize(
