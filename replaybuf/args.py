@@ -8,6 +8,18 @@ from typing import Any
 import numpy as np
 import torch
 
+_CPU = torch.device("cpu")
+
+
+def host_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.as_tensor(value, dtype)`` that ignores ``torch.set_default_device``: a tensor
+    keeps its device, anything else (lists, arrays, numbers) is built on the CPU. Callers then
+    move it where it belongs (``as_tensor`` would follow the default device, moving even a
+    tensor there, and a buffer's inputs must not depend on it)."""
+    if isinstance(value, torch.Tensor):
+        return value if dtype is None else value.to(dtype)
+    return torch.as_tensor(value, dtype=dtype, device=_CPU)
+
 
 def positive_int(value: Any, name: str) -> int:
     """``value`` as an int >= 1, else ``TypeError`` / ``ValueError`` naming ``name``."""
@@ -31,7 +43,7 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
         indices = list(indices)
         if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in indices):
             raise TypeError(f"{name} must hold ints, got {indices!r}")
-        tensor = torch.tensor(indices, dtype=torch.long)
+        tensor = torch.tensor(indices, dtype=torch.long, device=_CPU)
     elif isinstance(indices, np.ndarray):
         if indices.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")

@@ -294,7 +294,7 @@ class ReplayBuffer:
     ) -> dict[Key, torch.Tensor]:
         """``index`` (ids for :meth:`update_priorities`) and ``weight`` of a batch's rows."""
         if weight is None:  # an exhaustive epoch is not importance-sampled
-            weight = torch.ones(slots.shape, dtype=torch.float32)
+            weight = torch.ones(slots.shape, dtype=torch.float32, device=slots.device)
         return {
             ("index",): ring_ids(slots, self._writes, self.buffer_size).to(self.device),
             ("weight",): weight.to(self.device),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from replaybuf.args import host_tensor
 from replaybuf.priority import make_priority_index, relative_power
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def ring_ids(slots: torch.Tensor, writes: int, capacity: int) -> torch.Tensor:
 
 def parse_ids(index: Any, device: torch.device) -> torch.Tensor:
     """``index`` (ids from a sampled batch) as a flat long tensor on ``device``."""
-    ids = torch.as_tensor(index).reshape(-1)
+    ids = host_tensor(index).reshape(-1)
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
     return ids.to(device=device, dtype=torch.long)
@@ -60,7 +61,7 @@ def check_priorities(priority: Any, count: int, device: torch.device) -> torch.T
     if isinstance(priority, int | float) and not isinstance(priority, bool):
         priority = [priority] * count
     # Priorities are data, never differentiated: a |TD error| that still requires grad is fine.
-    values = torch.as_tensor(priority, dtype=torch.float64).detach().reshape(-1)
+    values = host_tensor(priority, torch.float64).detach().reshape(-1)
     if values.numel() != count:
         raise ValueError(
             f"priority must have one value per index: expected {count}, got {values.numel()}"

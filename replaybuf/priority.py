@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.args import host_tensor
 from replaybuf.compiled import compiled_kernels
 
 BACKEND_TORCH = "torch"
@@ -200,6 +201,9 @@ def segment_tree_unavailable_reason() -> str | None:
 
 
 # --------------------------------------------------------------------------- the index
+_CPU = torch.device("cpu")
+
+
 class PriorityIndex(abc.ABC):
     """Weights of ``capacity`` items and proportional sampling over them.
 
@@ -240,7 +244,7 @@ class PriorityIndex(abc.ABC):
         :meth:`sample` returns them, or checked before): only ``weights`` are checked."""
         if items.numel() == 0:
             return
-        weights = torch.as_tensor(weights).detach()  # data, never differentiated
+        weights = host_tensor(weights).detach()  # data, never differentiated
         if weights.shape == items.shape and weights.dtype.is_floating_point:
             weights32 = weights.to(self.device, torch.float32)
             lowest, highest = torch.stack(torch.aminmax(weights32)).tolist()  # NaN fails both
@@ -320,7 +324,7 @@ class PriorityIndex(abc.ABC):
 
     def load(self, weights: torch.Tensor) -> None:
         """Replace every weight by ``weights`` (as returned by :meth:`weights`)."""
-        weights = torch.as_tensor(weights).detach()
+        weights = host_tensor(weights).detach()
         if tuple(weights.shape) != (self.capacity,):
             raise ValueError(
                 f"weights must have shape ({self.capacity},), got {tuple(weights.shape)}"
@@ -332,7 +336,7 @@ class PriorityIndex(abc.ABC):
 
     # ---------------------------------------------------------------- validation
     def _items(self, items: torch.Tensor) -> torch.Tensor:
-        items = torch.as_tensor(items)
+        items = host_tensor(items)
         if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
             raise ValueError(f"items must be an integer tensor, got dtype {items.dtype}")
         if items.dim() != 1:
@@ -351,7 +355,7 @@ class PriorityIndex(abc.ABC):
         self, items: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``items`` (long) and ``weights`` (float32, -0.0 as 0.0) on ``device``, else raise."""
-        items, weights = self._items(items), torch.as_tensor(weights).detach()
+        items, weights = self._items(items), host_tensor(weights).detach()
         if items.shape != weights.shape:
             raise ValueError(
                 f"items and weights must have the same shape, got items {tuple(items.shape)} "
@@ -633,7 +637,7 @@ class SegmentTreePriorityIndex(PriorityIndex):
             min_tree(capacity),
             min_tree(capacity),
         )
-        self._rebuild(torch.zeros(capacity))
+        self._rebuild(torch.zeros(capacity, device=_CPU))
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
         # The C++ batch update applies entries in order: duplicates, the last value wins.
@@ -651,10 +655,10 @@ class SegmentTreePriorityIndex(PriorityIndex):
         sums = self._sums.at(items.contiguous())
         if isinstance(sums, torch.Tensor) and sums.shape == items.shape:
             return sums  # float64, like the tree
-        return torch.as_tensor(sums, dtype=torch.float64).reshape(items.shape)
+        return torch.as_tensor(sums, dtype=torch.float64, device=_CPU).reshape(items.shape)
 
     def _rebuild(self, weights: torch.Tensor) -> None:
-        self._write(torch.arange(self.capacity), weights)
+        self._write(torch.arange(self.capacity, device=_CPU), weights)
 
     def _read_stats(self) -> tuple[float, float, float]:
         # The roots include TorchRL's padding leaves; the min tree pads with FLOAT32_MAX.

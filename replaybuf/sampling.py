@@ -584,7 +584,7 @@ def with_priority_keys(
     if core.priorities is None:
         return batch
     if weight is None:  # an exhaustive epoch is not importance-sampled
-        weight = torch.ones(start.shape, dtype=torch.float32)
+        weight = torch.ones(start.shape, dtype=torch.float32, device=start.device)
     device = batch.device
     ids = core.row_ids(start)
     if batch.batch_dims == 2:  # sequences: the priority belongs to the start step

@@ -550,3 +550,51 @@ def test_cuda_storage_serves_complete_batches_on_the_cpu():
             assert batch.device == torch.device("cpu")
             ids_of(batch)  # checks every field of every row against its id
         assert ids_of(buf.sample_all()) == list(range(4096))
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_cpu_buffer_works_alike_under_another_default_device(tmp_path, prioritized):
+    """Indices and priorities given as lists, and the buffer's own tensors, are made on the
+    CPU, not on torch's default device (a trainer may call
+    ``torch.set_default_device("cuda")``; the meta device stands in for it here): two buffers
+    fed and seeded alike, one used inside the context (its inputs made outside), give the
+    same batches and the same priorities."""
+    bufs = [
+        ReplayBuffer(
+            "cpu",
+            "cpu",
+            64,
+            storage="tensor",
+            scratch_dir=tmp_path,
+            seed=0,
+            prioritized=prioritized,
+        )
+        for _ in range(2)
+    ]
+    first = {"obs": torch.arange(120.0).reshape(40, 3), "reward": torch.arange(40.0)}
+    chunk = {"obs": torch.ones(5, 3), "reward": torch.full((5,), 2.0)}
+    one = {"obs": torch.zeros(3), "reward": torch.tensor(3.0)}
+
+    def use(buf: ReplayBuffer) -> list[TensorDict]:
+        buf.add_batch(first)  # tensors made outside the context: those go in as they are
+        buf.add_batch(chunk)
+        buf.add(one)
+        out = [buf.sample_batch(8), buf.sample_by_index([1, 2, 45]), buf.sample_all()]
+        out.append(next(iter(buf.create_epoch_iterator(8))))
+        if prioritized:
+            ids = out[0]["index"].tolist()
+            assert buf.update_priorities(ids, [float(i % 5) for i in range(8)]) == 8
+            out.append(buf.sample_batch(8))
+        return out
+
+    want = use(bufs[0])
+    with torch.device("meta"):
+        got = use(bufs[1])
+    for g, w in zip(got, want, strict=True):
+        assert g.device == torch.device("cpu")
+        leaves = list(w.keys(include_nested=True, leaves_only=True))
+        assert list(g.keys(include_nested=True, leaves_only=True)) == leaves
+        for key in leaves:
+            assert torch.equal(g[key], w[key]), key
+    bufs[0].close()
+    bufs[1].close()

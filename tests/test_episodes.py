@@ -925,13 +925,15 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
         assert uniform_host_nstep(plain._core, *args, cpu, plain._generator) is not None
 
 
+@pytest.mark.parametrize("prioritized", [False, True])
 @pytest.mark.parametrize("frame_stack", [None, 2])
 def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
-    make_episode_buffer, frame_stack
+    make_episode_buffer, frame_stack, prioritized
 ):
-    """Draws and n-step powers are made on the storing device, not torch's default one (a
-    trainer may call ``torch.set_default_device("cuda")``; the meta device stands in for it
-    here): the same batches as outside the context, on the CPU."""
+    """Draws, n-step powers, importance weights and priority updates given as lists are made
+    on the storing device, not torch's default one (a trainer may call
+    ``torch.set_default_device("cuda")``; the meta device stands in for it here): the same
+    batches as outside the context, on the CPU."""
     calls = {
         "n=1": lambda b: b.sample_n_step(8),
         "n=3": lambda b: b.sample_n_step(8, n=3, gamma=0.7),
@@ -939,9 +941,21 @@ def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
         "distinct": lambda b: b.sample_n_step(8, replace=False),
         "sequences": lambda b: b.sample_sequences(4, 2),
         "padded sequences": lambda b: b.sample_sequences(4, 3, strict=False),
+        "epoch": lambda b: next(iter(b.iterate_epochs(8))),
     }
-    bufs = [make_episode_buffer(60, seed=3, frame_stack=frame_stack) for _ in range(2)]
-    for buf in bufs:
+    if prioritized:  # update by a list of ids and one of floats, then draw by priority
+
+        def updated(b):
+            ids = b.sample_n_step(8)["index"].tolist()
+            assert b.update_priorities(ids, [float(i % 3) for i in range(8)]) == 8
+            return b.sample_n_step(8)
+
+        calls["after an update"] = updated
+    bufs = [
+        make_episode_buffer(60, seed=3, frame_stack=frame_stack, prioritized=prioritized)
+        for _ in range(2)
+    ]
+    for buf in bufs:  # appends outside the context: inside, Python numbers would follow it
         _fill_every_end_kind(buf)
     from replaybuf import nstep
 
