@@ -21,6 +21,7 @@ import torch
 from replaybuf.mirror import DeviceMirror
 
 Rows = torch.Tensor | np.ndarray  # int64 rows on the host
+_CPU = torch.device("cpu")
 
 
 class AnchorSet:
@@ -33,8 +34,9 @@ class AnchorSet:
         mirror: bool | None = None,
         kernels: ModuleType | None = None,
     ) -> None:
-        self._rows = torch.full((capacity,), -1, dtype=torch.long)
-        self._pos = torch.full((capacity,), -1, dtype=torch.long)
+        # On the host whatever torch's default device (the draws' device copy is the mirror's).
+        self._rows = torch.full((capacity,), -1, dtype=torch.long, device=_CPU)
+        self._pos = torch.full((capacity,), -1, dtype=torch.long, device=_CPU)
         self._host = (self._rows.numpy(), self._pos.numpy())  # every update goes through these
         self.count = 0
         # The device copy draws read off the CPU (``mirror``: tests mirror on the CPU too).

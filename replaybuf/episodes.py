@@ -46,6 +46,7 @@ from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.staging import RowStager
 from replaybuf.storage import SlotStorage, build_tensordict, free_bytes, nest, to_device_async
 
+_CPU = torch.device("cpu")  # host bookkeeping lives here, whatever torch's default device
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
 # Keys sampling and get_episode return; an extras field must not shadow one of them.
 RETURNED_KEYS = frozenset(
@@ -194,10 +195,10 @@ class RowLinks:
         mirror: bool | None = None,
         kernels: ModuleType | None = None,
     ) -> None:
-        long = {"dtype": torch.long}
+        long = {"dtype": torch.long, "device": _CPU}  # host columns, whatever the default
         self._tensors: dict[str, torch.Tensor | None] = {
             "succ": torch.arange(capacity, **long),
-            "end_kind": torch.zeros(capacity, dtype=torch.int8),
+            "end_kind": torch.zeros(capacity, dtype=torch.int8, device=_CPU),
             "step": torch.zeros(capacity, **long),
             "episode": torch.full((capacity,), -1, **long),
             "next_row": torch.full((capacity,), -1, **long),
@@ -500,7 +501,7 @@ class EpisodeCore:
             data["extras"] = extras
         if self.slots.spec is None and not batched and isinstance(reward, _NUMBERS):
             # A first reward of 0 must not make every later reward an int: numbers are float32.
-            data["reward"] = torch.tensor(float(reward), dtype=torch.float32)
+            data["reward"] = torch.tensor(float(reward), dtype=torch.float32, device=_CPU)
         dims = 1 if batched else 0
         row = to_leaves(data, batched=batched, what=what, spec=self.slots.spec)
         if self.slots.spec is not None:
@@ -526,7 +527,7 @@ class EpisodeCore:
         )
         if self._filler is None:
             self._filler = {
-                k: torch.zeros(f.shape, dtype=f.dtype)
+                k: torch.zeros(f.shape, dtype=f.dtype, device=_CPU)
                 for k, f in spec.items()
                 if k[0] != "observation"
             }

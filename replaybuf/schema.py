@@ -26,6 +26,8 @@ Key = tuple[str, ...]
 RESERVED_KEYS = frozenset({"index"})
 _SCALARS = (bool, int, float, np.generic)
 
+_CPU = torch.device("cpu")
+
 
 @functools.cache
 def storable(dtype: torch.dtype) -> bool:
@@ -387,12 +389,12 @@ def _scalar(value: bool | int | float, name: str, field: Field | None, what: str
     exactly; a float never goes silently into an integer or bool field.
     """
     if field is None or field.shape != ():
-        return torch.tensor(value)
+        return torch.tensor(value, device=_CPU)  # not the default device: rows go to storage
     dtype = field.dtype
     cast = None
     if dtype.is_floating_point or not isinstance(value, float):
         try:
-            cast = torch.tensor(value, dtype=dtype)
+            cast = torch.tensor(value, dtype=dtype, device=_CPU)
         except (RuntimeError, OverflowError):
             cast = None
     if cast is None or (not isinstance(value, float) and cast.item() != value):

@@ -19,7 +19,8 @@ import torch
 
 from replaybuf.schema import FieldSpec, Key
 
-_NO_SLOTS = torch.empty(0, dtype=torch.long)
+_CPU = torch.device("cpu")  # staging is on the host, whatever torch's default device
+_NO_SLOTS = torch.empty(0, dtype=torch.long, device=_CPU)
 _SLICES = 1024  # column slices kept (see RowStager.slices)
 
 
@@ -33,7 +34,8 @@ class RowStager:
         # checks a step before an eviction that flushes the staged rows.
         with torch.inference_mode(False):  # made at a first append (storage.NORMAL_TENSORS)
             self.columns = [
-                torch.empty((capacity + 1, *spec[k].shape), dtype=spec[k].dtype) for k in spec
+                torch.empty((capacity + 1, *spec[k].shape), dtype=spec[k].dtype, device=_CPU)
+                for k in spec
             ]
         # Storage rows of the staged rows: int64, so that drain makes one tensor of them with
         # torch.frombuffer (torch.tensor of 512 Python ints costs ~0.3 µs an int).

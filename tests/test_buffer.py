@@ -554,13 +554,14 @@ def test_cuda_storage_serves_complete_batches_on_the_cpu():
 
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_a_cpu_buffer_works_alike_under_another_default_device(tmp_path, prioritized):
-    """Indices and priorities given as lists, and the buffer's own tensors, are made on the
-    CPU, not on torch's default device (a trainer may call
+    """Numbers the buffer converts, indices and priorities given as lists, and the buffer's
+    own tensors are made on the CPU, not on torch's default device (a trainer may call
     ``torch.set_default_device("cuda")``; the meta device stands in for it here): two buffers
-    fed and seeded alike, one used inside the context (its inputs made outside), give the
-    same batches and the same priorities."""
-    bufs = [
-        ReplayBuffer(
+    fed and seeded alike, one built and used inside the context (its tensor inputs made
+    outside), give the same batches and the same priorities."""
+
+    def made() -> ReplayBuffer:
+        return ReplayBuffer(
             "cpu",
             "cpu",
             64,
@@ -569,11 +570,10 @@ def test_a_cpu_buffer_works_alike_under_another_default_device(tmp_path, priorit
             seed=0,
             prioritized=prioritized,
         )
-        for _ in range(2)
-    ]
+
     first = {"obs": torch.arange(120.0).reshape(40, 3), "reward": torch.arange(40.0)}
     chunk = {"obs": torch.ones(5, 3), "reward": torch.full((5,), 2.0)}
-    one = {"obs": torch.zeros(3), "reward": torch.tensor(3.0)}
+    one = {"obs": torch.zeros(3), "reward": 3.0}  # a Python number: converted by the buffer
 
     def use(buf: ReplayBuffer) -> list[TensorDict]:
         buf.add_batch(first)  # tensors made outside the context: those go in as they are
@@ -587,8 +587,10 @@ def test_a_cpu_buffer_works_alike_under_another_default_device(tmp_path, priorit
             out.append(buf.sample_batch(8))
         return out
 
+    bufs = [made()]
     want = use(bufs[0])
-    with torch.device("meta"):
+    with torch.device("meta"):  # built and used inside the context
+        bufs.append(made())
         got = use(bufs[1])
     for g, w in zip(got, want, strict=True):
         assert g.device == torch.device("cpu")

@@ -930,10 +930,11 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
 def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
     make_episode_buffer, frame_stack, prioritized
 ):
-    """Draws, n-step powers, importance weights and priority updates given as lists are made
-    on the storing device, not torch's default one (a trainer may call
-    ``torch.set_default_device("cuda")``; the meta device stands in for it here): the same
-    batches as outside the context, on the CPU."""
+    """A CPU buffer's host bookkeeping, staging, the numbers it converts, its draws, n-step
+    powers, importance weights and priority updates given as lists are made on the CPU, not
+    on torch's default device (a trainer may call ``torch.set_default_device("cuda")``; the
+    meta device stands in for it here): a buffer built, filled and sampled inside the context
+    gives the batches one outside does, on the CPU."""
     calls = {
         "n=1": lambda b: b.sample_n_step(8),
         "n=3": lambda b: b.sample_n_step(8, n=3, gamma=0.7),
@@ -951,12 +952,24 @@ def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
             return b.sample_n_step(8)
 
         calls["after an update"] = updated
-    bufs = [
-        make_episode_buffer(60, seed=3, frame_stack=frame_stack, prioritized=prioritized)
-        for _ in range(2)
-    ]
-    for buf in bufs:  # appends outside the context: inside, Python numbers would follow it
-        _fill_every_end_kind(buf)
+    script = []  # _fill_every_end_kind's episodes, their tensors made outside the context
+    for e in range(9):
+        end = None if e % 3 == 0 else ("terminated" if e % 3 == 1 else "truncated")
+        script.append(([step(e, t) for t in range(3 + e % 4)], end, final_obs(e, 9)))
+
+    def made_and_filled():
+        buf = make_episode_buffer(60, seed=3, frame_stack=frame_stack, prioritized=prioritized)
+        for steps, end, final in script:
+            ep = buf.start_episode()
+            for o, a, r, x in steps:  # r: a Python float, made a tensor by the buffer
+                buf.append_observation_action_reward(ep, o, a, r, extras=x)
+            if end is not None:
+                buf.end_episode(ep, end, final)
+        return buf
+
+    bufs = [made_and_filled()]
+    with torch.device("meta"):  # built, filled and flushed inside the context
+        bufs.append(made_and_filled())
     from replaybuf import nstep
 
     for name, call in calls.items():
