@@ -13,7 +13,7 @@ frame last, the k-1 before it in its episode first, padded at the episode start 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -228,14 +228,51 @@ def _host_nstep_values(
     if any(view is None for view in views):
         return None
     observed = len(obs_keys)
+    values = _host_gathers(views[:observed], views[observed:], ends, start.numpy(), info)
+    return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]
+
+
+def _host_gathers(
+    observations: Sequence[np.ndarray],
+    steps: Sequence[np.ndarray],
+    ends: np.ndarray,
+    start: np.ndarray,
+    info: list[Values],
+) -> list[Values]:
+    """The host paths' values in :func:`_nstep_keys`' order: each observation view at both
+    window ends (one take of ``ends``, split), each step view at ``start``, then ``info``."""
+    batch = start.shape[0]
     values: list[Values] = []
-    for view in views[:observed]:
+    for view in observations:
         both = view.take(ends, axis=0)  # [2B]: the window starts, then its ends
         values += [both[:batch], both[batch:]]
-    at = start.numpy()
-    values += [view.take(at, axis=0) for view in views[observed:]]
-    values += info
-    return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]
+    values += [view.take(start, axis=0) for view in steps]
+    return values + info
+
+
+def _compiled_windows(
+    kernel: Callable[..., tuple[np.ndarray, ...]],
+    start: np.ndarray,
+    n_each: np.ndarray,
+    n_max: int,
+    host: HostLinks,
+    rewards: np.ndarray,
+    gamma: float,
+) -> tuple[np.ndarray, ...]:
+    """One call of :func:`replaybuf.kernels.nstep_windows` (contiguous int64 ``start`` and
+    ``n_each``): the rows of both observations, then the values of ``_window_values``."""
+    return kernel(
+        start,
+        n_each,
+        n_max,
+        host.succ,
+        host.end_kind,
+        host.step,
+        host.episode,
+        rewards,
+        reward_powers(gamma, n_max, rewards.dtype),
+        host_powers(gamma, n_max),
+    )
 
 
 class _HostPlan(NamedTuple):
@@ -264,9 +301,9 @@ def uniform_host_nstep(
     random n, where :func:`_host_nstep_values` and the compiled window kernel would run; it
     makes the same draws and returns the same values. Handwritten as one pass because the
     general path's per-batch lookups and conversions (views by key, the key lists, torch and
-    numpy views of the anchors) cost as much as the gathers of a small batch: W3's
-    ``sample_n_step(32)`` of 28 KB frames took 45-55 µs less on the 2-core dev VM
-    (255-300 -> 200-240 µs, beside a floor of 185-240 µs).
+    numpy views of the anchors) weigh on small batches: W3's ``sample_n_step(32)`` of 28 KB
+    frames took 8-29 µs less on the 2-core dev VM (1.04-1.47x -> 0.94-1.36x the floor over
+    ten paired runs; see benchmarks/RESULTS.md).
     """
     if core.priorities is not None or isinstance(n, tuple) or device.type != "cpu":
         return None
@@ -274,25 +311,8 @@ def uniform_host_nstep(
     if plan is None:
         return None
     start = core.anchors.sample_host(batch_size, generator)
-    rewards, host = plan.rewards, plan.links
-    ends, *info = plan.windows(
-        start,
-        _NO_N,
-        n,
-        host.succ,
-        host.end_kind,
-        host.step,
-        host.episode,
-        rewards,
-        reward_powers(gamma, n, rewards.dtype),
-        host_powers(gamma, n),
-    )
-    values: list[np.ndarray] = []
-    for view in plan.observations:
-        both = view.take(ends, axis=0)  # [2B]: the window starts, then its ends
-        values += [both[:batch_size], both[batch_size:]]
-    values += [view.take(start, axis=0) for view in plan.steps]
-    values += info
+    ends, *info = _compiled_windows(plan.windows, start, _NO_N, n, plan.links, plan.rewards, gamma)
+    values = _host_gathers(plan.observations, plan.steps, ends, start, info)
     tensors = [torch.from_numpy(v) for v in values]
     return build_tensordict(plan.keys, tensors, batch_size, device)
 
@@ -362,17 +382,14 @@ def _window_values(
         # One compiled call for the ~25 numpy ones below (see replaybuf.kernels); the kernel
         # takes contiguous int64 anchors and n (no copy when they already are).
         each = _NO_N if isinstance(n_each, int) else n_each.numpy()
-        ends, *values = compiled.nstep_windows(
+        ends, *values = _compiled_windows(
+            compiled.nstep_windows,
             np.ascontiguousarray(start.numpy(), dtype=np.int64),
             np.ascontiguousarray(each, dtype=np.int64),
             n_max,
-            host.succ,
-            host.end_kind,
-            host.step,
-            host.episode,
+            host,
             rewards,
-            reward_powers(gamma, n_max, rewards.dtype),
-            host_powers(gamma, n_max),
+            gamma,
         )
         return ends, values
     if host is None:
