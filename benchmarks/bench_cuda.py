@@ -658,14 +658,16 @@ def main(argv: list[str] | None = None) -> int:
     report["versions"]["git_commit"] = report["versions"]["git_commit"] or os.environ.get(
         "GIT_COMMIT"
     )
-    with tempfile.TemporaryDirectory(prefix="replaybuf-bench-cuda-") as tmp:
-        scratch = Path(tmp)
-        report["gpu_storage"] = section_gpu_storage(cfg, device, scratch)
-        report["host_to_gpu"] = section_host_to_gpu(cfg, device, scratch)
-        report["inserts"] = section_inserts(cfg, device, scratch)
-    report["rows"] = [asdict(r) for r in rows(report)]
     path = args.json or harness.REPO / "benchmarks" / "results" / "bench_cuda.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    sections = {"gpu_storage": section_gpu_storage, "host_to_gpu": section_host_to_gpu}
+    sections["inserts"] = section_inserts
+    with tempfile.TemporaryDirectory(prefix="replaybuf-bench-cuda-") as tmp:
+        for name, section in sections.items():
+            report[name] = section(cfg, device, Path(tmp))
+            # Written after every section, so a run cut off by a time limit keeps what it measured.
+            path.write_text(json.dumps(report, indent=1))
+    report["rows"] = [asdict(r) for r in rows(report)]
     path.write_text(json.dumps(report, indent=1))
     print(f"{report['device']}, torch {report['versions']['torch']}, {report['date']}, {cfg.name}")
     print(table(rows(report)))
