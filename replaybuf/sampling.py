@@ -22,6 +22,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.episodes import Episode, EpisodeCore, HostLinks
 from replaybuf.errors import EmptyBufferError
+from replaybuf.fused import nstep_windows as fused_nstep_windows
+from replaybuf.fused import stack_rows as fused_stack_rows
 from replaybuf.index import (
     END_TERMINATED,
     END_TRUNCATED,
@@ -103,8 +105,10 @@ def _stacked_observations_at(core: EpisodeCore, rows: Values) -> list[torch.Tens
     k = core.frame_stack
     assert k is not None, "only buffers with frame stacking rebuild stacks"
     host = core.links.host
-    if host is None:
-        stacked, real = stack_rows(_tensor(rows), k, core.links.prev_row)  # [N, k]
+    if host is None:  # one launch where Triton runs, else k - 1 steps of torch ops
+        prev_row = core.links.prev_row
+        fused = fused_stack_rows(_tensor(rows), k, prev_row)
+        stacked, real = fused or stack_rows(_tensor(rows), k, prev_row)  # [N, k]
     else:
         rows = rows if isinstance(rows, np.ndarray) else rows.numpy()
         stacked, real = stack_rows(rows, k, host.prev_row)
@@ -393,6 +397,10 @@ def _window_values(
         )
         return ends, values
     if host is None:
+        reward_column = core.slots.column(("reward",))
+        fused = fused_nstep_windows(start, n_each, n_max, gamma, links, reward_column)
+        if fused is not None:  # one launch for the ops below (CUDA storage, Triton installed)
+            return fused
         w = nstep_windows(start, n_each, n_max, links.succ, links.end_kind)
         step, episode = links.step.index_select(0, start), links.episode.index_select(0, start)
         ends = torch.cat([start, w.last_row])

@@ -1,0 +1,202 @@
+"""One fused CUDA kernel (Triton) for the n-step window math of CUDA episode storage.
+
+On CUDA storage :func:`replaybuf.index.nstep_windows`, :func:`replaybuf.nstep.window_return`
+and :func:`replaybuf.nstep.bootstrap_discount` are ~15 small torch ops per batch. Each is a
+kernel launch that costs the host 6-20 µs (measured on an H200) for about 1 µs of GPU work, so
+a batch is bound by launches, not by the GPU. This kernel does the walk along the links, the
+discounted return, the bootstrap discount and the per-anchor lookups in one launch.
+
+Written by hand because torch has no such op, and ``torch.compile`` recompiles for new batch
+sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
+Linux; without it (CPU-only builds), for rewards it does not take, or with
+``REPLAYBUF_TRITON=0``, the torch ops run, with the same results (the tests compare them,
+running this kernel in Triton's interpreter on the CPU).
+"""
+
+import os
+from typing import Any
+
+import torch
+
+from replaybuf.nstep import discount_powers
+
+try:  # torch's CUDA builds bring Triton, and import it themselves: no cost here
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError without Triton; its own errors on a broken install
+    triton = tl = None
+
+TRITON_ENV = "REPLAYBUF_TRITON"  # "0": run the torch ops instead
+BLOCK = 128  # anchors per program
+# Set before Triton is imported, Triton's interpreter runs the kernel on CPU tensors (the tests).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:  # the kernel's annotations need Triton
+
+    @triton.jit
+    def _nstep_windows_kernel(
+        start_ptr,
+        n_ptr,
+        succ_ptr,
+        kind_ptr,
+        step_ptr,
+        episode_ptr,
+        reward_ptr,
+        reward_powers_ptr,
+        discount_powers_ptr,
+        ints_ptr,
+        return_ptr,
+        flags_ptr,
+        discount_ptr,
+        batch,
+        n_fixed,
+        n_max,
+        PER_SAMPLE: tl.constexpr,  # the compile-time arguments
+        ONE_STEP: tl.constexpr,
+        F64: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Per anchor: follow ``succ`` for up to n steps while the row changes (index.Windows),
+        summing γ^k r; then the last row's end kind, γ^m, the anchor's step and episode."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < batch
+        first = tl.load(start_ptr + i, mask=live, other=0)
+        if PER_SAMPLE:
+            n = tl.load(n_ptr + i, mask=live, other=0)
+        else:
+            n = tl.zeros([BLOCK], tl.int64) + n_fixed
+        total = tl.zeros([BLOCK], tl.float64 if F64 else tl.float32)
+        row = first
+        m = tl.zeros([BLOCK], tl.int64)
+        going = live
+        for k in range(0, n_max):
+            after = tl.load(succ_ptr + row, mask=live, other=0)
+            # A self-loop (the episode's last stored row) or step n ends the window; with
+            # n = 1 every anchor has a next row (as index.nstep_windows).
+            valid = live if ONE_STEP else going & (after != row) & (k < n)
+            reward = tl.load(reward_ptr + row, mask=valid, other=0.0)
+            weight = tl.load(reward_powers_ptr + k)
+            total += tl.where(valid, reward * weight, 0.0)  # select: a NaN outside stays out
+            m += valid.to(tl.int64)
+            row = tl.where(valid, after, row)
+            going = valid
+        kind = tl.load(kind_ptr + row, mask=live, other=0)
+        terminal = kind == 1  # index.END_TERMINATED
+        # index.END_NONE: no newer observation yet (never with m = n = 1)
+        cut = kind < 0 if ONE_STEP else (m < n) & (kind == 0)
+        discount = tl.load(discount_powers_ptr + m, mask=live, other=0.0)
+        discount = tl.where(terminal, 0.0, discount)
+        tl.store(ints_ptr + i, first, mask=live)
+        tl.store(ints_ptr + batch + i, row, mask=live)
+        tl.store(ints_ptr + 2 * batch + i, m, mask=live)
+        tl.store(ints_ptr + 3 * batch + i, tl.load(step_ptr + first, mask=live), mask=live)
+        tl.store(ints_ptr + 4 * batch + i, tl.load(episode_ptr + first, mask=live), mask=live)
+        tl.store(return_ptr + i, total, mask=live)
+        tl.store(flags_ptr + i, terminal.to(tl.uint8), mask=live)
+        tl.store(flags_ptr + batch + i, (kind == 2).to(tl.uint8), mask=live)  # END_TRUNCATED
+        tl.store(flags_ptr + 2 * batch + i, cut.to(tl.uint8), mask=live)
+        tl.store(discount_ptr + i, discount, mask=live)
+
+    @triton.jit
+    def _stack_rows_kernel(
+        rows_ptr, prev_ptr, stacked_ptr, real_ptr, count, K: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Per row: the rows of its k-frame stack, oldest first, each step back along
+        ``prev_row`` until the episode's first row, which then repeats (index.stack_rows)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < count
+        row = tl.load(rows_ptr + i, mask=live, other=0)
+        tl.store(stacked_ptr + i * K + (K - 1), row, mask=live)
+        tl.store(real_ptr + i * K + (K - 1), tl.full([BLOCK], 1, tl.uint8), mask=live)
+        for j in tl.static_range(1, K):
+            prev = tl.load(prev_ptr + row, mask=live, other=-1)
+            has = prev >= 0  # False at the first row, and so at every position before it
+            row = tl.where(has, prev, row)
+            tl.store(stacked_ptr + i * K + (K - 1 - j), row, mask=live)
+            tl.store(real_ptr + i * K + (K - 1 - j), has.to(tl.uint8), mask=live)
+
+
+def _reward_powers(gamma: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """γ^0..γ^(n-1) as window_return weighs rewards of ``dtype``: float64 rewards with
+    float64 powers, float32 ones with discount_powers' float32 table."""
+    if dtype == torch.float64:
+        key = (float(gamma), int(n), str(device))
+        powers = _F64_POWERS.get(key)
+        if powers is None:
+            if len(_F64_POWERS) > 64:
+                _F64_POWERS.clear()
+            # The op window_return runs, on the same device: the same values.
+            powers = _F64_POWERS[key] = gamma ** torch.arange(n, dtype=dtype, device=device)
+        return powers
+    return discount_powers(gamma, n, device)[:n]
+
+
+_F64_POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
+
+
+def nstep_windows(
+    start: torch.Tensor,
+    n_each: torch.Tensor | int,
+    n_max: int,
+    gamma: float,
+    links: Any,
+    rewards: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """``sampling._window_values`` on the storing device in one launch: the rows of both
+    observations (``[2B]``) and the values from ``reward`` to ``episode_id``; or None where it
+    does not apply (no Triton, CPU tensors, a reward that is not 1-D float32 or float64)."""
+    device = start.device
+    if not _runs_on(start) or n_max < 1:
+        return None
+    if rewards.dim() != 1 or rewards.dtype not in (torch.float32, torch.float64):
+        return None
+    if not rewards.is_contiguous() or start.dtype != torch.long or not start.is_contiguous():
+        return None
+    batch = start.shape[0]
+    per_sample = isinstance(n_each, torch.Tensor)
+    ints = torch.empty((5, batch), dtype=torch.long, device=device)
+    total = torch.empty(batch, dtype=rewards.dtype, device=device)
+    flags = torch.empty((3, batch), dtype=torch.uint8, device=device)
+    discount = torch.empty(batch, dtype=torch.float32, device=device)
+    if batch:
+        n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
+        _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
+            start, n_column, links.succ, links.end_kind, links.step, links.episode, rewards,
+            _reward_powers(gamma, n_max, rewards.dtype, device),
+            discount_powers(gamma, n_max, device), ints, total, flags, discount,
+            batch, n_max if not per_sample else 0, n_max,
+            PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
+            F64=rewards.dtype == torch.float64, BLOCK=BLOCK,
+        )  # fmt: skip
+    flag = flags.view(torch.bool)
+    return ints[:2].reshape(-1), [total, flag[0], flag[1], flag[2], discount, *ints[2:]]
+
+
+def stack_rows(
+    rows: torch.Tensor, k: int, prev_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`replaybuf.index.stack_rows` in one launch (``stacked`` and ``real``,
+    ``[*rows.shape, k]``), or None where it does not apply (as :func:`nstep_windows`)."""
+    if not _runs_on(rows) or not rows.is_contiguous() or rows.dtype != torch.long:
+        return None
+    count = rows.numel()
+    stacked = torch.empty((*rows.shape, k), dtype=torch.long, device=rows.device)
+    real = torch.empty((*rows.shape, k), dtype=torch.uint8, device=rows.device)
+    if count:
+        grid = (triton_cdiv(count, BLOCK),)
+        _stack_rows_kernel[grid](rows, prev_row, stacked, real, count, K=k, BLOCK=BLOCK)
+    return stacked, real.view(torch.bool)
+
+
+def _runs_on(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take ``tensor``'s device: CUDA (the CPU in the interpreter), with
+    Triton there and not switched off."""
+    if triton is None or os.environ.get(TRITON_ENV, "1") == "0":
+        return False
+    return tensor.device.type == ("cpu" if INTERPRET else "cuda")
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """Programs for ``a`` anchors at ``b`` per program."""
+    return -(-a // b)
