@@ -48,6 +48,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf.fused import TRITON_ENV
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,24 @@ def host_syncs(fn: Callable[[], Any], device: torch.device) -> str:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return "none"
+
+
+def torch_ops(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with replaybuf.fused switched off (``REPLAYBUF_TRITON=0``): the torch ops its
+    Triton kernels replace, timed beside them in the same run."""
+
+    def call() -> Any:
+        before = os.environ.get(TRITON_ENV)
+        os.environ[TRITON_ENV] = "0"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[TRITON_ENV]
+            else:
+                os.environ[TRITON_ENV] = before
+
+    return call
 
 
 def rows_of(columns: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:
@@ -226,6 +245,7 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "floor": lambda: floor.sample(BATCH),
         "replaybuf": lambda: ours.sample_n_step(BATCH, n=N, gamma=GAMMA),
         "replaybuf prioritized": lambda: ours_per.sample_n_step(BATCH, n=N, gamma=GAMMA),
+        "replaybuf torch ops": torch_ops(lambda: ours.sample_n_step(BATCH, n=N, gamma=GAMMA)),
     }
     log("W2 on the GPU: timing")
     out["w2"] = round_robin(fns, cfg, device)
@@ -268,11 +288,13 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "floor": built[0].sample,
         "replaybuf": built[1].sample,
         "replaybuf frame_stack=4": built[2].sample,
+        "replaybuf torch ops": torch_ops(built[1].sample),
+        "replaybuf frame_stack=4 torch ops": torch_ops(built[2].sample),
     }
     log("W3 on the GPU: timing")
     out["w3"] = round_robin(fns, cfg, device, calls=max(3, cfg.calls // 4))
     out["w3_syncs"] = {name: host_syncs(fn, device) for name, fn in fns.items()}
-    out["w3_bytes_per_step"] = {name: b.bytes_per_step for name, b in zip(fns, built, strict=True)}
+    out["w3_bytes_per_step"] = {name: b.bytes_per_step for name, b in zip(fns, built, strict=False)}
     for b in built:
         b.close()
     return out
@@ -570,6 +592,11 @@ def rows(res: dict[str, Any]) -> list[Row]:
     vs(g, "sample_sequences(32, 80)", gpu["long_sequences"], "replaybuf strict", "floor", 1.5)
     vs(g, "W3 pixels sample_n_step(32)", gpu["w3"], "replaybuf", "floor", 1.5, gpu["w3_syncs"])
     vs(g, "W3 frame_stack=4", gpu["w3"], "replaybuf frame_stack=4", "floor", 1.5, gpu["w3_syncs"])
+    # The fused kernels (replaybuf.fused) against the torch ops they replace, in this run.
+    vs(g, "W2 fused vs torch ops", gpu["w2"], "replaybuf", "replaybuf torch ops", None)
+    vs(g, "W3 fused vs torch ops", gpu["w3"], "replaybuf", "replaybuf torch ops", None)
+    fs = "replaybuf frame_stack=4"
+    vs(g, "W3 frame_stack=4 fused vs torch ops", gpu["w3"], fs, f"{fs} torch ops", None)
     h = "CPU memmap -> GPU"
     vs(h, "W1 sample_batch(256)", host["w1"], "replaybuf memmap", "floor pinned", None)
     vs(h, "W1 pageable floor", host["w1"], "floor pageable", "floor pinned", None)
