@@ -1,18 +1,20 @@
-"""One fused CUDA kernel (Triton) for the n-step window math of CUDA episode storage.
+"""Fused CUDA kernels (Triton): the n-step window math and the frame-stack rows of CUDA storage.
 
 On CUDA storage :func:`replaybuf.index.nstep_windows`, :func:`replaybuf.nstep.window_return`
-and :func:`replaybuf.nstep.bootstrap_discount` are ~15 small torch ops per batch. Each is a
-kernel launch that costs the host 6-20 µs (measured on an H200) for about 1 µs of GPU work, so
-a batch is bound by launches, not by the GPU. This kernel does the walk along the links, the
-discounted return, the bootstrap discount and the per-anchor lookups in one launch.
+and :func:`replaybuf.nstep.bootstrap_discount` are ~15 small torch ops per batch, and
+:func:`replaybuf.index.stack_rows` 3 per stacked frame. Each is a kernel launch that costs the
+host 6-20 µs (measured on an H200) for about 1 µs of GPU work: a batch is bound by launches,
+not by the GPU. Each kernel here does its whole job in one launch.
 
 Written by hand because torch has no such op, and ``torch.compile`` recompiles for new batch
 sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
-Linux; without it (CPU-only builds), for rewards it does not take, or with
-``REPLAYBUF_TRITON=0``, the torch ops run, with the same results (the tests compare them,
-running this kernel in Triton's interpreter on the CPU).
+Linux; without it (CPU-only builds), on GPUs it does not build for, for rewards it does not
+take, or with ``REPLAYBUF_TRITON=0``, the torch ops run, with the same results (returns to
+rounding). The tests compare the two, running the kernels in Triton's interpreter on the CPU.
+No ``from __future__ import annotations`` here: Triton reads the kernels' annotations.
 """
 
+import functools
 import os
 from typing import Any
 
@@ -190,11 +192,22 @@ def stack_rows(
 
 
 def _runs_on(tensor: torch.Tensor) -> bool:
-    """Whether the kernels take ``tensor``'s device: CUDA (the CPU in the interpreter), with
-    Triton there and not switched off."""
+    """Whether the kernels take ``tensor``'s device: a GPU Triton compiles for (the CPU in the
+    interpreter), with Triton there and not switched off."""
     if triton is None or os.environ.get(TRITON_ENV, "1") == "0":
         return False
-    return tensor.device.type == ("cpu" if INTERPRET else "cuda")
+    if INTERPRET:
+        return tensor.device.type == "cpu"
+    return tensor.device.type == "cuda" and _triton_compiles_for(tensor.device.index)
+
+
+@functools.cache
+def _triton_compiles_for(index: int | None) -> bool:
+    """Triton builds for compute capability 7.0 (Volta) and newer; older GPUs, which torch
+    still runs, keep the torch ops. AMD GPUs (ROCm builds of torch) report their own."""
+    if torch.version.hip is not None:
+        return True
+    return torch.cuda.get_device_capability(index) >= (7, 0)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -202,3 +202,16 @@ def test_the_compiled_kernel_matches_the_torch_ops_on_cuda(dtype, n):
     with filled(layout, dtype, 30, "cuda") as buf:
         buf._core.flush()
         compare(buf, n, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("capability", "builds"), [((6, 1), False), ((7, 0), True), ((9, 0), True)]
+)
+def test_gpus_triton_does_not_build_for_keep_the_torch_ops(monkeypatch, capability, builds):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    fused._triton_compiles_for.cache_clear()
+    try:
+        assert fused._triton_compiles_for(0) is builds
+    finally:
+        fused._triton_compiles_for.cache_clear()
