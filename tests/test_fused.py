@@ -103,6 +103,7 @@ def compare(buf: SyncEpisodeReplayBuffer, n: int | tuple[int, int], gamma: float
     assert_same(want, got)
 
 
+CHILD = "REPLAYBUF_TEST_FUSED_CHILD"  # set in the child: it never starts another
 INTERPRETED = pytest.mark.skipif(
     not fused.INTERPRET, reason="runs in a child process with TRITON_INTERPRET=1"
 )
@@ -176,9 +177,9 @@ def test_the_stack_kernel_matches_the_torch_ops(lengths, k, seed):
 def test_the_kernel_in_the_interpreter():
     """The tests above, in a child process where Triton's interpreter is on."""
     pytest.importorskip("triton")
-    if fused.INTERPRET:
-        pytest.skip("already in the interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if fused.INTERPRET or CHILD in os.environ:
+        pytest.skip("already in the interpreter's child process")
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         cwd=Path(__file__).parent.parent,
