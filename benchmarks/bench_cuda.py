@@ -20,7 +20,7 @@ what a learner waits for a batch, launch overhead included):
 3. **Inserts into GPU storage** from host tensors: ``add_batch`` of 1,000 rows and
    ``append_batch`` of 64 environments, against ``copy_`` into preallocated device columns.
 
-    python benchmarks/bench_cuda.py                   # full (about 3 minutes on an H100)
+    python benchmarks/bench_cuda.py                   # full (75-90 s on an H200)
     python benchmarks/bench_cuda.py --quick           # small sizes (under a minute)
     python benchmarks/bench_cuda.py --tiny --device cpu   # every code path, no GPU (tests)
 
@@ -682,9 +682,9 @@ def main(argv: list[str] | None = None) -> int:
         "versions": harness.versions(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    report["versions"]["git_commit"] = report["versions"]["git_commit"] or os.environ.get(
-        "GIT_COMMIT"
-    )
+    # GIT_COMMIT, where set, names the code (a copy of a working tree may carry a stale .git).
+    found = report["versions"]["git_commit"]
+    report["versions"]["git_commit"] = os.environ.get("GIT_COMMIT") or found
     path = args.json or harness.REPO / "benchmarks" / "results" / "bench_cuda.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     sections = {"gpu_storage": section_gpu_storage, "host_to_gpu": section_host_to_gpu}
