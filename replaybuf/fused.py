@@ -14,6 +14,7 @@ rounding). The tests compare the two, running the kernels in Triton's interprete
 No ``from __future__ import annotations`` here: Triton reads the kernels' annotations.
 """
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -153,7 +154,10 @@ def nstep_windows(
         return None
     if rewards.dim() != 1 or rewards.dtype not in (torch.float32, torch.float64):
         return None
-    if not rewards.is_contiguous() or start.dtype != torch.long or not start.is_contiguous():
+    if not rewards.is_contiguous() or not _long_columns(start):
+        return None
+    columns = (links.succ, links.end_kind, links.step, links.episode)
+    if not _long_columns(*columns):  # the kernel writes step and episode as int64
         return None
     batch = start.shape[0]
     per_sample = isinstance(n_each, torch.Tensor)
@@ -163,14 +167,15 @@ def nstep_windows(
     discount = torch.empty(batch, dtype=torch.float32, device=device)
     if batch:
         n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
-        _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
-            start, n_column, links.succ, links.end_kind, links.step, links.episode, rewards,
-            _reward_powers(gamma, n_max, rewards.dtype, device),
-            discount_powers(gamma, n_max, device), ints, total, flags, discount,
-            batch, n_max if not per_sample else 0, n_max,
-            PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
-            F64=rewards.dtype == torch.float64, BLOCK=BLOCK,
-        )  # fmt: skip
+        reward_powers = _reward_powers(gamma, n_max, rewards.dtype, device)
+        with _current(device):
+            _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
+                start, n_column, *columns, rewards, reward_powers,
+                discount_powers(gamma, n_max, device), ints, total, flags, discount,
+                batch, n_max if not per_sample else 0, n_max,
+                PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
+                F64=rewards.dtype == torch.float64, BLOCK=BLOCK,
+            )  # fmt: skip
     flag = flags.view(torch.bool)
     return ints[:2].reshape(-1), [total, flag[0], flag[1], flag[2], discount, *ints[2:]]
 
@@ -180,15 +185,29 @@ def stack_rows(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`replaybuf.index.stack_rows` in one launch (``stacked`` and ``real``,
     ``[*rows.shape, k]``), or None where it does not apply (as :func:`nstep_windows`)."""
-    if not _runs_on(rows) or not rows.is_contiguous() or rows.dtype != torch.long:
+    if not _runs_on(rows) or not _long_columns(rows, prev_row):
         return None
     count = rows.numel()
     stacked = torch.empty((*rows.shape, k), dtype=torch.long, device=rows.device)
     real = torch.empty((*rows.shape, k), dtype=torch.uint8, device=rows.device)
     if count:
         grid = (triton_cdiv(count, BLOCK),)
-        _stack_rows_kernel[grid](rows, prev_row, stacked, real, count, K=k, BLOCK=BLOCK)
+        with _current(rows.device):
+            _stack_rows_kernel[grid](rows, prev_row, stacked, real, count, K=k, BLOCK=BLOCK)
     return stacked, real.view(torch.bool)
+
+
+def _long_columns(*tensors: torch.Tensor) -> bool:
+    """Whether each is a contiguous int64 tensor, as the kernels read them."""
+    return all(t.dtype == torch.long and t.is_contiguous() for t in tensors)
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made the current CUDA device for a launch: Triton launches on the current
+    device and its stream (storage on cuda:1 while cuda:0 is current, say)."""
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _runs_on(tensor: torch.Tensor) -> bool:
