@@ -1,8 +1,8 @@
-"""The fused n-step kernel (:mod:`replaybuf.fused`) against the torch ops it replaces.
+"""The fused kernels (:mod:`replaybuf.fused`) against the torch ops they replace.
 
-On the CPU the kernel runs in Triton's interpreter, which must be switched on before Triton is
-imported: :func:`test_the_kernel_in_the_interpreter` runs the property test below in a child
-process with ``TRITON_INTERPRET=1``. Buffers read their bookkeeping through device copies
+On the CPU the kernels run in Triton's interpreter, which must be switched on before Triton is
+imported: :func:`test_the_kernel_in_the_interpreter` runs the interpreted tests below in a
+child process with ``TRITON_INTERPRET=1``. Buffers read their bookkeeping through device copies
 (``mirrored``), so that sampling takes CUDA storage's path, on the CPU. On a GPU the same
 comparison runs on CUDA storage (``test_cuda.py`` checks whole programs against the reference
 model there).
@@ -28,7 +28,7 @@ from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.index import stack_rows
 from replaybuf.sampling import nstep_batch
 
-# An episode: its length, how it ends (None: still running) and its rewards' seed.
+# An episode: its length and how it ends (None: still running).
 episodes = st.lists(
     st.tuples(st.integers(1, 9), st.sampled_from(["terminated", "truncated", None])),
     min_size=1,
@@ -42,7 +42,7 @@ def filled(
     capacity: int,
     device: str,
     frame_stack: int | None = None,
-):
+) -> SyncEpisodeReplayBuffer:
     """A buffer holding ``layout``'s episodes, two at a time interleaved (rows not contiguous),
     evicting the oldest when ``capacity`` steps are exceeded."""
     buf = SyncEpisodeReplayBuffer(
