@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from replaybuf.nstep import discount_powers
+from replaybuf.nstep import discount_powers, torch_reward_powers
 
 try:  # torch's CUDA builds bring Triton, and import it themselves: no cost here
     import triton
@@ -120,24 +120,6 @@ if triton is not None:  # the kernel's annotations need Triton
             tl.store(real_ptr + i * K + (K - 1 - j), has.to(tl.uint8), mask=live)
 
 
-def _reward_powers(gamma: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """γ^0..γ^(n-1) as window_return weighs rewards of ``dtype``: float64 rewards with
-    float64 powers, float32 ones with discount_powers' float32 table."""
-    if dtype == torch.float64:
-        key = (float(gamma), int(n), str(device))
-        powers = _F64_POWERS.get(key)
-        if powers is None:
-            if len(_F64_POWERS) > 64:
-                _F64_POWERS.clear()
-            # The op window_return runs, on the same device: the same values.
-            powers = _F64_POWERS[key] = gamma ** torch.arange(n, dtype=dtype, device=device)
-        return powers
-    return discount_powers(gamma, n, device)[:n]
-
-
-_F64_POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
-
-
 def nstep_windows(
     start: torch.Tensor,
     n_each: torch.Tensor | int,
@@ -167,7 +149,7 @@ def nstep_windows(
     discount = torch.empty(batch, dtype=torch.float32, device=device)
     if batch:
         n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
-        reward_powers = _reward_powers(gamma, n_max, rewards.dtype, device)
+        reward_powers = torch_reward_powers(gamma, n_max, rewards.dtype, device)
         with _current(device):
             _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
                 start, n_column, *columns, rewards, reward_powers,

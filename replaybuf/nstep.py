@@ -83,6 +83,25 @@ def reward_powers(gamma: float, n: int, dtype: np.dtype) -> np.ndarray:
     return host_powers(gamma, n)[:n]
 
 
+def torch_reward_powers(
+    gamma: float, n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """γ^0..γ^(n-1) that weigh tensor rewards summed in ``dtype``: float64 powers for float64
+    sums, else :func:`discount_powers`' float32 table; cached (replaybuf.fused reads them too)."""
+    if dtype != torch.float64:
+        return discount_powers(gamma, n, device)[:n]
+    key = (float(gamma), int(n), str(device))
+    powers = _F64_POWERS.get(key)
+    if powers is None:
+        if len(_F64_POWERS) > 64:
+            _F64_POWERS.clear()
+        powers = _F64_POWERS[key] = gamma ** torch.arange(n, dtype=dtype, device=device)
+    return powers
+
+
+_F64_POWERS: dict[tuple[float, int, str], torch.Tensor] = {}
+
+
 def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
     """Discounted sum over the valid prefix of each window (time-major, as ``index.Windows``).
 
@@ -106,9 +125,7 @@ def window_return(rewards: Array, valid: Array, gamma: float) -> Array:
     if n == 1:  # one step: no weights, no sum (on CUDA each is a kernel launch)
         keep = valid[0].reshape(*valid.shape[1:], *([1] * (rewards.dim() - 2)))
         return torch.where(keep, rewards[0].to(dtype), 0.0)
-    powers = discount_powers(gamma, n, rewards.device)[:n]  # [n]
-    if dtype == torch.float64:
-        powers = gamma ** torch.arange(n, dtype=torch.float64, device=rewards.device)
+    powers = torch_reward_powers(gamma, n, dtype, rewards.device)  # [n]
     extra = [1] * (rewards.dim() - 2)
     keep = valid.reshape(*valid.shape, *extra)  # [n, B, 1...]
     weights = powers.to(dtype).reshape(n, 1, *extra)
