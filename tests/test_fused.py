@@ -85,9 +85,10 @@ def generator(device: torch.device) -> torch.Generator:
 
 def compare(
     buf: SyncEpisodeReplayBuffer, n: int | tuple[int, int], gamma: float, batch: int = 64
-) -> None:
-    """The same anchors through the kernel and through the torch ops give the same batch
-    (frame stacks too, where the buffer stacks: the second kernel's path)."""
+) -> list[int]:
+    """Asserts that the same anchors through the kernel and through the torch ops give the
+    same batch (frame stacks too, where the buffer stacks: the second kernel's path); returns
+    the n-step kernel's launches (their program counts)."""
     core = buf._core
     start = core.anchors.sample(batch, torch.Generator(device=buf.device).manual_seed(1))
     calls: list[int] = []
@@ -109,9 +110,13 @@ def compare(
         got = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
     finally:
         fused._nstep_windows_kernel = kernel
-    # One launch, one program per BLOCK anchors (none for an empty batch).
-    assert calls == ([fused.triton_cdiv(batch, fused.BLOCK)] if batch else []), calls
     assert_same(want, got)
+    return calls
+
+
+def launches(batch: int) -> list[int]:
+    """One launch of one program per BLOCK anchors; none for an empty batch."""
+    return [fused.triton_cdiv(batch, fused.BLOCK)] if batch else []
 
 
 CHILD = "REPLAYBUF_TEST_FUSED_CHILD"  # set in the child: it never starts another
@@ -141,7 +146,7 @@ def test_the_kernel_matches_the_torch_ops(layout, dtype, capacity, n, gamma, bat
         buf._core.flush()
         if buf._core.anchors.count == 0:
             return  # nothing to sample yet (one running episode of one step, say)
-        compare(buf, n, gamma, batch)
+        assert compare(buf, n, gamma, batch) == launches(batch)
 
 
 @INTERPRETED
@@ -150,7 +155,7 @@ def test_an_empty_batch_launches_nothing():
         buf = filled([(5, "terminated")], torch.float32, 20, "cpu")
     with buf:
         buf._core.flush()
-        compare(buf, 3, 0.9, batch=0)
+        assert compare(buf, 3, 0.9, batch=0) == []
 
 
 @INTERPRETED
@@ -240,7 +245,7 @@ def test_the_compiled_kernel_matches_the_torch_ops_on_cuda(dtype, n):
     layout = [(9, "terminated"), (4, None), (7, "truncated"), (1, "terminated"), (12, None)]
     with filled(layout, dtype, 30, "cuda") as buf:
         buf._core.flush()
-        compare(buf, n, 0.9)
+        assert compare(buf, n, 0.9) == launches(64)
 
 
 @pytest.mark.parametrize(
