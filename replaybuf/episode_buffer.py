@@ -33,9 +33,9 @@ from replaybuf.prioritized import (
 from replaybuf.sampling import (
     NArg,
     draw_anchors,
+    draw_sequences,
     episode_record,
     nstep_batch,
-    sample_sequence_starts,
     sequence_batch,
     uniform_host_nstep,
     with_priority_keys,
@@ -314,15 +314,10 @@ class SyncEpisodeReplayBuffer:
         batch_size = positive_int(batch_size, "batch_size")
         seq_len = positive_int(seq_len, "seq_len")
         self._require_steps("sample sequences")
-        if strict:
-            start = sample_sequence_starts(self._core, batch_size, seq_len, self._generator)
-            weight = (
-                None if self._core.priorities is None else self._core.priorities.importance(start)
-            )
-        else:
-            start, weight = draw_anchors(self._core, batch_size, True, self._generator)
-        batch = sequence_batch(self._core, start, seq_len, self.device)
-        return with_priority_keys(self._core, batch, start, weight)
+        core = self._core
+        start, weight, walk = draw_sequences(core, batch_size, seq_len, strict, self._generator)
+        batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
+        return with_priority_keys(core, batch, start, weight)
 
     def iterate_epochs(
         self,

@@ -17,7 +17,7 @@ No ``from __future__ import annotations`` here: Triton reads the kernels' annota
 import contextlib
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -119,6 +119,70 @@ if triton is not None:  # the kernel's annotations need Triton
             tl.store(stacked_ptr + i * K + (K - 1 - j), row, mask=live)
             tl.store(real_ptr + i * K + (K - 1 - j), has.to(tl.uint8), mask=live)
 
+    @triton.jit
+    def _sequence_kernel(
+        draw_ptr,
+        table_ptr,
+        succ_ptr,
+        kind_ptr,
+        step_ptr,
+        episode_ptr,
+        rows_ptr,
+        ints_ptr,
+        flags_ptr,
+        batch,
+        length,
+        TRIES: tl.constexpr,
+        PICK: tl.constexpr,
+        STRICT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Per slot: its start (``draw`` itself, or ``table[draw]`` with PICK; STRICT: the first
+        of its TRIES draws with ``length`` steps ahead), then the walk of ``length`` links with
+        what a sequence batch reads of it (index.sequence_rows, padded past the episode end)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < batch
+        start = tl.zeros([BLOCK], tl.int64)
+        found = i < 0  # all False
+        for t in range(0, TRIES):
+            candidate = tl.load(draw_ptr + i * TRIES + t, mask=live, other=0)
+            if PICK:
+                candidate = tl.load(table_ptr + candidate, mask=live, other=0)
+            if STRICT:  # index.full_sequence_starts: the walk still moves at its last step
+                row = candidate
+                moved = live
+                for _ in range(0, length):
+                    after = tl.load(succ_ptr + row, mask=live & ~found, other=0)
+                    moved = after != row
+                    row = after
+                take = live & ~found & (moved | (t == TRIES - 1))  # the last try holds a place
+                found = found | (live & moved)
+            else:
+                take = live
+                found = live
+            start = tl.where(take, candidate, start)
+        width = length + 1
+        row = start
+        episode = tl.load(episode_ptr + start, mask=live, other=0)
+        tl.store(rows_ptr + i * width, row, mask=live)
+        cells = batch * length  # each output plane is [batch, length]
+        for k in range(0, length):
+            after = tl.load(succ_ptr + row, mask=live, other=0)
+            real = after != row  # False past the episode's last stored row (a self-loop)
+            kind = tl.load(kind_ptr + after, mask=live, other=0)
+            step = tl.load(step_ptr + row, mask=live, other=0)
+            at = i * length + k
+            tl.store(rows_ptr + i * width + k + 1, after, mask=live)
+            tl.store(ints_ptr + at, row, mask=live)  # the step's own row
+            tl.store(ints_ptr + cells + at, tl.where(real, step, -1), mask=live)
+            tl.store(ints_ptr + 2 * cells + at, tl.where(real, episode, -1), mask=live)
+            tl.store(flags_ptr + at, real.to(tl.uint8), mask=live)
+            tl.store(flags_ptr + cells + at, (real & (kind == 1)).to(tl.uint8), mask=live)
+            tl.store(flags_ptr + 2 * cells + at, (real & (kind == 2)).to(tl.uint8), mask=live)
+            row = after
+        tl.store(flags_ptr + 3 * cells + i, found.to(tl.uint8), mask=live)
+        tl.store(ints_ptr + 3 * cells + i, start, mask=live)
+
 
 def nstep_windows(
     start: torch.Tensor,
@@ -177,6 +241,61 @@ def stack_rows(
         with _current(rows.device):
             _stack_rows_kernel[grid](rows, prev_row, stacked, real, count, K=k, BLOCK=BLOCK)
     return stacked, real.view(torch.bool)
+
+
+class Walk(NamedTuple):
+    """A sequence batch's rows and per-step values on the storing device (``[B, L]`` each but
+    ``obs_rows`` and ``start``), zero (False) or -1 past the episode's end."""
+
+    start: torch.Tensor  # [B] the anchors
+    obs_rows: torch.Tensor  # [B, L + 1] obs_t .. obs_{t+L}, repeating the last real row
+    step_rows: torch.Tensor  # [B, L] obs_rows[:, :L], contiguous
+    mask: torch.Tensor  # [B, L] bool: the step is in the episode
+    terminal: torch.Tensor  # [B, L] bool
+    truncated: torch.Tensor  # [B, L] bool
+    step: torch.Tensor  # [B, L] int64, -1 past the end
+    episode: torch.Tensor  # [B, L] int64, -1 past the end
+    found: torch.Tensor  # [B] bool: a strict draw found a start with L steps ahead
+
+
+def walks(links: Any, rows: torch.Tensor) -> bool:
+    """Whether :func:`sequences` takes these row links and anchor rows (or anchor table): on
+    a device it runs on, contiguous int64 (checked before drawing, so that a declined draw
+    leaves the generator as it was)."""
+    return _runs_on(rows) and _long_columns(rows, links.succ, links.step, links.episode)
+
+
+def sequences(
+    draws: torch.Tensor, table: torch.Tensor | None, length: int, links: Any, strict: bool
+) -> Walk | None:
+    """A sequence batch's :class:`Walk` in one launch, or None where the kernel does not apply
+    (as :func:`nstep_windows`). ``draws [B, T]`` are the candidate anchors, or places in
+    ``table`` (the packed anchor rows) when it is given; with ``strict`` each slot takes its
+    first candidate with ``length`` steps ahead (``found`` False where none has: the caller
+    draws again), else its only one (T = 1)."""
+    if not _long_columns(draws) or not walks(links, draws if table is None else table):
+        return None
+    batch, tries = draws.shape
+    assert strict or tries == 1, "a draw that is not strict takes its one candidate"
+    device = draws.device
+    cells = batch * length
+    rows = torch.empty((batch, length + 1), dtype=torch.long, device=device)
+    ints = torch.empty(3 * cells + batch, dtype=torch.long, device=device)
+    flags = torch.empty(3 * cells + batch, dtype=torch.uint8, device=device)
+    if batch:
+        with _current(device):
+            _sequence_kernel[(triton_cdiv(batch, BLOCK),)](
+                draws, draws if table is None else table, links.succ, links.end_kind,
+                links.step, links.episode, rows, ints, flags, batch, length,
+                TRIES=tries, PICK=table is not None, STRICT=strict, BLOCK=BLOCK,
+            )  # fmt: skip
+    planes = ints[: 3 * cells].view(3, batch, length)
+    bools = flags.view(torch.bool)
+    masks = bools[: 3 * cells].view(3, batch, length)
+    return Walk(
+        ints[3 * cells :], rows, planes[0], masks[0], masks[1], masks[2], planes[1], planes[2],
+        bools[3 * cells :],
+    )  # fmt: skip
 
 
 def _long_columns(*tensors: torch.Tensor) -> bool:

@@ -22,8 +22,11 @@ from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.episodes import Episode, EpisodeCore, HostLinks
 from replaybuf.errors import EmptyBufferError
+from replaybuf.fused import Walk
 from replaybuf.fused import nstep_windows as fused_nstep_windows
+from replaybuf.fused import sequences as fused_sequences
 from replaybuf.fused import stack_rows as fused_stack_rows
+from replaybuf.fused import walks as fused_walks
 from replaybuf.index import (
     END_TERMINATED,
     END_TRUNCATED,
@@ -430,58 +433,44 @@ _HOST_PLAN = "sampling.uniform_host_nstep"  # its key in SlotStorage.derived
 
 
 def sequence_batch(
-    core: EpisodeCore, start: torch.Tensor, length: int, device: torch.device
+    core: EpisodeCore,
+    start: torch.Tensor,
+    length: int,
+    device: torch.device,
+    walk: Walk | None = None,
+    full: bool = False,
 ) -> TensorDict:
     """``[B, length]`` consecutive steps from each anchor; ``mask`` marks real steps.
 
-    Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1.
-    With CPU storage the row walk runs in numpy (as in :func:`nstep_batch`), and a batch with
-    no padding skips the zero-filling. Like :func:`nstep_batch`, every field is gathered as a
-    plain tensor and one TensorDict is built at the end (frame-stacked observations excepted:
-    they come from :func:`_stacked_observations`): TensorDict reshapes, ``apply`` and ``set``
-    cost more than the gathers themselves here (and on CUDA their Python time is what the
-    learner waits for).
+    Positions past an episode's end are zero-filled, with ``episode_id`` and ``step`` -1;
+    ``full`` says no anchor has fewer than ``length`` steps ahead (a strict draw), so nothing
+    is filled. ``walk`` is the fused kernel's walk of these anchors, where it drew them.
+    Like :func:`nstep_batch`, every field is gathered as a plain tensor and one TensorDict is
+    built at the end (frame-stacked observations excepted: they come from
+    :func:`_stacked_observations`): TensorDict reshapes, ``apply`` and ``set`` cost more than
+    the gathers themselves here (and on CUDA their Python time is what the learner waits for).
     """
-    links, host = core.links, core.links.host
+    walk = walk or _walk(core, start, length, full)
+    padded = not full and _padded(walk.mask)
     batch = start.shape[0]
-    if host is None:
-        # A walk of ``length`` links in ~log2(length) gathers (jump tables: kernel launches,
-        # not bytes, are what a CUDA walk costs).
-        jumps = links.jumps(jump_levels(length))
-        obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)  # [B, L + 1], [B, L]
-        step_rows = obs_rows[:, :length].reshape(-1)  # [B * L]
-        next_kind = links.end_kind.index_select(0, obs_rows[:, 1:].reshape(-1))
-        step = links.step.index_select(0, step_rows)
-        episode = links.episode.index_select(0, start)
-        padded = True  # unknown without a device synchronisation: fill as if
-    else:
-        rows, real = sequence_rows(start.numpy(), length, host.succ)
-        next_kind = torch.from_numpy(host.end_kind[rows[:, 1:]])
-        step = torch.from_numpy(host.step[rows[:, :length]])
-        episode = torch.from_numpy(host.episode[start.numpy()])
-        padded = not real.all()
-        obs_rows, mask = torch.from_numpy(rows), torch.from_numpy(real)
-        step_rows = obs_rows[:, :length].reshape(-1)
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "reward", "extras")
     slots = core.slots
     parts: list[Part] = []
     if core.frame_stack is None:
-        parts += [(slots.column(key), obs_rows.reshape(-1)) for key in obs_keys]
-    parts += [(slots.column(key), step_rows) for key in step_keys]
-    parts += [(next_kind, None), (step, None), (episode, None), (mask, None)]
+        parts += [(slots.column(key), walk.obs_rows.reshape(-1)) for key in obs_keys]
+    parts += [(slots.column(key), walk.step_rows.reshape(-1)) for key in step_keys]
+    flat = (walk.terminal, walk.truncated, walk.step, walk.episode, walk.mask)
+    parts += [(value, None) for value in flat]
     # One pinned transfer from CPU storage to CUDA (frame-stacked observations make a second).
     delivered = slots.deliver(parts, device)
-    widths = (length, length, 1, length)
-    next_kind, step, episode, mask = (
-        v.reshape(batch, width) for v, width in zip(delivered[-4:], widths, strict=True)
-    )
+    terminal, truncated, step_id, episode_id, mask = delivered[-5:]
     if core.frame_stack is None:  # [B * (length + 1), *field] -> [B, length + 1, *field]
         observations = [
             v.reshape(batch, length + 1, *v.shape[1:]) for v in delivered[: len(obs_keys)]
         ]
         delivered = delivered[len(obs_keys) :]
     else:  # [B, length + 1, k, *field], rebuilt from one frame per step
-        stacked = _stacked_observations(core, start, obs_rows, device)
+        stacked = _stacked_observations(core, start, walk.obs_rows, device)
         observations = [stacked.get(key) for key in obs_keys]
     steps = {  # [B * length, *field] -> [B, length, *field]; a prefix of delivered
         key: value.reshape(batch, length, *value.shape[1:])
@@ -493,28 +482,67 @@ def sequence_batch(
     now = [(key, value[:, :length]) for key, value in obs]
     after = [(("next_observation", *key[1:]), value[:, 1:]) for key, value in obs]
     acted = [(key, value) for key, value in steps.items() if key[0] != "extras"]
-    ends = [(("terminal",), next_kind == END_TERMINATED)]
-    ends += [(("truncated",), next_kind == END_TRUNCATED)]
-    step_id, episode_id = step, episode.expand(batch, length)
     extras = [(key[1:], value) for key, value in steps.items() if key[0] == "extras"]
-    if padded:  # zeros past the end (-1 for step and episode id)
-        # The observation pairs are overlapping views of one gather and the episode ids an
-        # expanded view: they get new tensors. Every other field is a fresh gather of its
-        # own, filled in place.
+    if padded:  # zeros past the end (the walk's own values already are)
+        # The observation pairs are overlapping views of one gather: they get new tensors.
+        # Every other field is a fresh gather of its own, filled in place.
         now = [(key, _pad(value, mask, _zero(value))) for key, value in now]
         after = [(key, _pad(value, mask, _zero(value))) for key, value in after]
-        episode_id = _pad(episode_id, mask, -1)
         pad = ~mask
-        acted, ends, extras = (
+        acted, extras = (
             [(key, _pad_in_place(value, pad, _zero(value))) for key, value in group]
-            for group in (acted, ends, extras)
+            for group in (acted, extras)
         )
-        step_id = _pad_in_place(step_id, pad, -1)
-    else:  # the expanded episode ids as their own tensor (a caller may write into a batch)
-        episode_id = episode_id.clone()
+    ends = [(("terminal",), terminal), (("truncated",), truncated)]
     ids = [(("step",), step_id), (("episode_id",), episode_id)]
     keys, values = zip(*now, *acted, *after, *ends, *ids, *extras, (("mask",), mask), strict=True)
     return build_tensordict(list(keys), list(values), (batch, length), device)
+
+
+def _padded(mask: torch.Tensor) -> bool:
+    """Whether a walk's ``mask`` has a position past an episode's end: read on the host for
+    CPU tensors; assumed (no device synchronisation) elsewhere."""
+    return not mask.is_cpu or not mask.numpy().all()
+
+
+def _walk(core: EpisodeCore, start: torch.Tensor, length: int, full: bool) -> Walk:
+    """The :class:`~replaybuf.fused.Walk` of anchors ``start``: in the fused kernel where it
+    runs; else in numpy for CPU storage, or in torch with jump tables (a walk of L links in
+    ~log2(L) gathers: on CUDA kernel launches, not bytes, are what a walk costs)."""
+    links, host = core.links, core.links.host
+    if host is None:
+        walk = fused_sequences(start.unsqueeze(1), None, length, links, strict=False)
+        if walk is not None:
+            return walk
+        jumps = links.jumps(jump_levels(length))
+        obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)  # [B, L + 1], [B, L]
+        step_rows = obs_rows[:, :length].contiguous()
+        next_kind = links.end_kind.index_select(0, obs_rows[:, 1:].reshape(-1))
+        step = links.step.index_select(0, step_rows.reshape(-1))
+        episode = links.episode.index_select(0, start).unsqueeze(1).expand(-1, length)
+        values: list[Values] = [next_kind.view(mask.shape), step.view(mask.shape), episode]
+    else:
+        at = start.numpy()
+        rows, real = sequence_rows(at, length, host.succ)
+        step_rows = np.ascontiguousarray(rows[:, :length])
+        values = [host.end_kind[rows[:, 1:]], host.step[step_rows], host.episode[at]]
+        values[2] = np.broadcast_to(values[2][:, None], real.shape)
+        obs_rows, mask = torch.from_numpy(rows), torch.from_numpy(real)
+        step_rows = torch.from_numpy(step_rows)
+    next_kind, step, episode = values
+    terminal, truncated = next_kind == END_TERMINATED, next_kind == END_TRUNCATED
+    if not full and _padded(mask):  # False and -1 past the end
+        real = mask.numpy() if host is not None else mask
+        terminal, truncated = terminal & real, truncated & real
+        where = np.where if host is not None else torch.where
+        step, episode = where(real, step, -1), where(real, episode, -1)
+    elif host is not None:
+        episode = episode.copy()  # its own array (a caller may write into a batch)
+    else:
+        episode = episode.clone()
+    values = [terminal, truncated, step, episode]
+    terminal, truncated, step, episode = (_tensor(v) for v in values)
+    return Walk(start, obs_rows, step_rows, mask, terminal, truncated, step, episode, None)
 
 
 def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:
@@ -627,6 +655,60 @@ def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch
     if host is None:
         return full_sequence_starts_by_jumps(anchors, length, core.links.jumps(jump_levels(length)))
     return torch.from_numpy(qualifies(anchors.numpy(), length, host.succ))
+
+
+def draw_sequences(
+    core: EpisodeCore, batch_size: int, length: int, strict: bool, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, Walk | None]:
+    """Anchors for a sequence batch, their importance weights (prioritized buffers), and the
+    fused kernel's walk of them where it drew them (CUDA storage, uniform draws).
+
+    ``strict`` draws only anchors with ``length`` steps ahead (:func:`sample_sequence_starts`),
+    else any valid step (the batch is padded).
+    """
+    walk = _fused_draw(core, batch_size, length, strict, generator)
+    if walk is not None:
+        return walk.start, None, walk
+    if not strict:
+        start, weight = draw_anchors(core, batch_size, True, generator)
+        return start, weight, None
+    start = sample_sequence_starts(core, batch_size, length, generator)
+    priorities = core.priorities
+    return start, None if priorities is None else priorities.importance(start), None
+
+
+STRICT_TRIES = 8  # a strict draw's candidates per slot in the fused kernel
+
+
+def _fused_draw(
+    core: EpisodeCore, batch_size: int, length: int, strict: bool, generator: torch.Generator
+) -> Walk | None:
+    """A uniform draw and its walk in one kernel launch, or None where the kernel does not
+    apply (CPU storage, priorities, no Triton).
+
+    Not strict, each slot draws one place in the packed anchor rows: the same draws as
+    :meth:`AnchorSet.sample`. Strict, each slot takes the first of ``STRICT_TRIES`` draws with
+    ``length`` steps ahead: rejection sampling, exact. One host synchronisation reads whether
+    every slot found one; the few that did not (each with probability (1 - p)^8 where p is the
+    share of anchors that qualify) go on with :func:`sample_sequence_starts`, which continues
+    the same rejection (and raises when no anchor qualifies).
+    """
+    anchors = core.anchors
+    if core.priorities is not None or core.links.host is not None or anchors.count == 0:
+        return None
+    table = anchors.rows
+    if not fused_walks(core.links, table):
+        return None
+    tries = STRICT_TRIES if strict else 1
+    shape = (batch_size, tries)
+    picks = torch.randint(0, anchors.count, shape, generator=generator, device=table.device)
+    walk = fused_sequences(picks, table, length, core.links, strict)
+    if walk is None or not strict or bool(walk.found.all()):  # strict: the one sync
+        return walk
+    missing = ~walk.found
+    start = walk.start.clone()
+    start[missing] = sample_sequence_starts(core, int(missing.sum()), length, generator)
+    return fused_sequences(start.unsqueeze(1), None, length, core.links, strict=False)
 
 
 def sample_sequence_starts(

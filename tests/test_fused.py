@@ -10,23 +10,28 @@ model there).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from episode_helpers import mirrored
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import chisquare
 from tensordict import TensorDictBase
 
 import replaybuf.fused as fused
 from replaybuf import SyncEpisodeReplayBuffer
-from replaybuf.index import stack_rows
-from replaybuf.sampling import nstep_batch
+from replaybuf.errors import EmptyBufferError
+from replaybuf.index import full_sequence_starts, stack_rows
+from replaybuf.sampling import STRICT_TRIES, draw_sequences, nstep_batch, sequence_batch
 
 # An episode: its length and how it ends (None: still running).
 episodes = st.lists(
@@ -111,6 +116,71 @@ def compare(
     finally:
         fused._nstep_windows_kernel = kernel
     assert_same(want, got)
+    return calls
+
+
+class Counting:
+    """Counts the launches (their program counts) of one of ``fused``'s kernels while on."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.kernel, self.calls = name, getattr(fused, name), []
+
+    def __getitem__(self, grid: tuple[int]) -> object:
+        self.calls.append(grid[0])
+        return self.kernel[grid]
+
+    def __enter__(self) -> list[int]:
+        setattr(fused, self.name, self)
+        return self.calls
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(fused, self.name, self.kernel)
+
+
+def torch_ops() -> mock._patch_dict:
+    """The kernels switched off (``REPLAYBUF_TRITON=0``) inside."""
+    return mock.patch.dict(os.environ, {fused.TRITON_ENV: "0"})
+
+
+def compare_sequences(
+    buf: SyncEpisodeReplayBuffer, length: int, strict: bool, batch: int
+) -> list[int]:
+    """Asserts that a sequence draw through the kernel and the batch built from it match the
+    torch ops on the same anchors (and, not strict, that both draw the same anchors; strict,
+    that each slot took the first of its draws with ``length`` steps ahead, where it had one);
+    returns the sequence kernel's launches."""
+    core, device = buf._core, buf.device
+    with torch_ops():
+        qualify = full_sequence_starts(core.anchors.snapshot(), length, core.links.succ)
+    if strict and not qualify.any():
+        for switch in (contextlib.nullcontext(), torch_ops()):
+            with switch, pytest.raises(EmptyBufferError, match="consecutive steps"):
+                draw_sequences(core, batch, length, True, generator(device))
+        return []
+    with Counting("_sequence_kernel") as calls:
+        start, weight, walk = draw_sequences(core, batch, length, strict, generator(device))
+        got = sequence_batch(core, start, length, device, walk, full=strict)
+        from_start = sequence_batch(core, start, length, device, None, full=strict)
+    assert weight is None
+    assert walk is not None
+    with torch_ops():
+        torch_start, _, torch_walk = draw_sequences(core, batch, length, strict, generator(device))
+        want = sequence_batch(core, start, length, device, None, full=strict)
+    assert torch_walk is None
+    assert_same(want, got)
+    assert_same(want, from_start)
+    if not strict:
+        assert torch.equal(torch_start, start)
+        return calls
+    assert full_sequence_starts(start, length, core.links.succ).all()
+    picks = torch.randint(
+        0, core.anchors.count, (batch, STRICT_TRIES), generator=generator(device), device=device
+    )
+    candidates = core.anchors.rows[picks]
+    ok = full_sequence_starts(candidates.reshape(-1), length, core.links.succ).view(picks.shape)
+    had = ok.any(1)
+    first = candidates.gather(1, ok.int().argmax(1, keepdim=True)).squeeze(1)
+    assert torch.equal(start[had], first[had])
     return calls
 
 
@@ -216,6 +286,58 @@ def test_the_stack_kernel_matches_the_torch_ops(lengths, k, seed, shape):
         assert torch.equal(a, b), (a, b)
 
 
+@INTERPRETED
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=episodes,
+    capacity=st.integers(24, 60),
+    length=st.integers(1, 12),
+    strict=st.booleans(),
+    batch=st.sampled_from([1, 64, 129, 300]),
+    frame_stack=st.sampled_from([None, 2]),
+)
+def test_the_sequence_kernel_matches_the_torch_ops(
+    layout, capacity, length, strict, batch, frame_stack
+):
+    with mirrored():
+        buf = filled(layout, torch.float32, capacity, "cpu", frame_stack)
+    with buf:
+        buf._core.flush()
+        if buf._core.anchors.count == 0:
+            return
+        calls = compare_sequences(buf, length, strict, batch)
+        # the draw, a redraw of slots with no fitting start among their draws, the walk of
+        # given anchors
+        assert calls in ([], launches(batch) * 2, launches(batch) * 3)
+
+
+@INTERPRETED
+@pytest.mark.parametrize("few", [False, True])
+def test_strict_sequence_draws_in_the_kernel_are_uniform(few):
+    """Over the anchors with 3 steps ahead: 9 of 13 (a slot's first draw mostly fits), and 3
+    of 155 (slots mostly find none among their 8 draws and are drawn again)."""
+    layout = [(1, "terminated")] * 150 + [(5, "truncated")] if few else [(9, None), (6, None)]
+    with mirrored():
+        buf = filled(layout, torch.float32, 200, "cpu")
+    with buf:
+        core = buf._core
+        core.flush()
+        anchors = core.anchors.snapshot()
+        fits = anchors[full_sequence_starts(anchors, 3, core.links.succ)].tolist()
+        assert len(fits) == (3 if few else 9)
+        g = torch.Generator().manual_seed(4)
+        counts = Counter()
+        with Counting("_sequence_kernel") as calls:
+            for _ in range(10):
+                start, _, walk = draw_sequences(core, 300, 3, True, g)
+                assert walk is not None
+                assert bool(walk.mask.all())
+                counts.update(start.tolist())
+        assert set(counts) == set(fits)
+        assert chisquare([counts[row] for row in fits]).pvalue > 0.001
+        assert len(calls) == (20 if few else 10)  # few: every batch has slots drawn again
+
+
 def test_the_kernel_in_the_interpreter():
     """The tests above, in a child process where Triton's interpreter is on."""
     pytest.importorskip("triton")
@@ -259,3 +381,15 @@ def test_gpus_triton_does_not_build_for_keep_the_torch_ops(monkeypatch, capabili
         assert fused._triton_compiles_for(0) is builds
     finally:
         fused._triton_compiles_for.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(fused.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("length", [1, 4, 13])
+def test_the_compiled_sequence_kernel_matches_the_torch_ops_on_cuda(strict, length):
+    layout = [(9, "terminated"), (4, None), (7, "truncated"), (1, "terminated"), (12, None)]
+    with filled(layout, torch.float32, 30, "cuda") as buf:
+        buf._core.flush()
+        assert compare_sequences(buf, length, strict, 200)[0] == launches(200)[0]
