@@ -254,6 +254,10 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "floor": floor_sequences,
         "replaybuf strict": lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN),
         "replaybuf padded": lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN, strict=False),
+        "replaybuf strict torch ops": torch_ops(lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN)),
+        "replaybuf padded torch ops": torch_ops(
+            lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN, strict=False)
+        ),
     }
     out["sequences"] = round_robin(fns, cfg, device)
     out["sequences_syncs"] = {name: host_syncs(fn, device) for name, fn in fns.items()}
@@ -597,6 +601,9 @@ def rows(res: dict[str, Any]) -> list[Row]:
     vs(g, "W3 fused vs torch ops", gpu["w3"], "replaybuf", "replaybuf torch ops", None)
     fs = "replaybuf frame_stack=4"
     vs(g, "W3 frame_stack=4 fused vs torch ops", gpu["w3"], fs, f"{fs} torch ops", None)
+    for kind in ("strict", "padded"):
+        seq, name = gpu["sequences"], f"replaybuf {kind}"
+        vs(g, f"sequences {kind} fused vs torch ops", seq, name, f"{name} torch ops", None)
     h = "CPU memmap -> GPU"
     vs(h, "W1 sample_batch(256)", host["w1"], "replaybuf memmap", "floor pinned", None)
     vs(h, "W1 pageable floor", host["w1"], "floor pageable", "floor pinned", None)

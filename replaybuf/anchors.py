@@ -136,9 +136,19 @@ class AnchorSet:
         """``batch_size`` rows uniformly with replacement."""
         if self._mirror is None:
             return torch.from_numpy(self.sample_host(batch_size, generator))
+        places, rows = self.draw_places(batch_size, generator)
+        return rows.index_select(0, places)
+
+    def draw_places(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample`'s draws as places in :attr:`rows` (returned too), before the lookup:
+        a fused kernel does it in its own launch."""
         rows = self.rows
-        picks = torch.randint(0, self.count, (batch_size,), generator=generator, device=rows.device)
-        return rows.index_select(0, picks)
+        places = torch.randint(
+            0, self.count, (batch_size,), generator=generator, device=rows.device
+        )
+        return places, rows
 
     def sample_host(self, batch_size: int, generator: torch.Generator) -> np.ndarray:
         """:meth:`sample`'s rows as a contiguous int64 numpy array (the same draws), for a set

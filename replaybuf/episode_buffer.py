@@ -301,9 +301,14 @@ class SyncEpisodeReplayBuffer:
             )
             if fast is not None:
                 return fast
-        start, weight = draw_anchors(self._core, batch_size, replace, self._generator)
-        batch = nstep_batch(self._core, start, n, gamma, self.device, self._generator)
-        return with_priority_keys(self._core, batch, start, weight)
+        core = self._core
+        if replace and core.priorities is None and not core.anchors.on_host:
+            # AnchorSet.sample's draw, the lookup left to the fused kernel (CUDA storage)
+            places, table = core.anchors.draw_places(batch_size, self._generator)
+            return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
+        start, weight = draw_anchors(core, batch_size, replace, self._generator)
+        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+        return with_priority_keys(core, batch, start, weight)
 
     def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
         """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.

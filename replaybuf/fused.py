@@ -38,13 +38,29 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if triton is not None:  # the kernel's annotations need Triton
 
     @triton.jit
+    def _stack(row, live, prev_ptr, stacked_ptr, real_ptr, K: tl.constexpr):
+        """The k-frame stack ending at each ``row``: its rows, oldest first, each a step back
+        along ``prev_row`` until the episode's first row, which then repeats (index.stack_rows),
+        written at ``stacked_ptr`` and ``real_ptr`` (the K cells of each row)."""
+        tl.store(stacked_ptr + (K - 1), row, mask=live)
+        tl.store(real_ptr + (K - 1), tl.full(row.shape, 1, tl.uint8), mask=live)
+        for j in tl.static_range(1, K):
+            prev = tl.load(prev_ptr + row, mask=live, other=-1)
+            has = prev >= 0  # False at the first row, and so at every position before it
+            row = tl.where(has, prev, row)
+            tl.store(stacked_ptr + (K - 1 - j), row, mask=live)
+            tl.store(real_ptr + (K - 1 - j), has.to(tl.uint8), mask=live)
+
+    @triton.jit
     def _nstep_windows_kernel(
         start_ptr,
+        table_ptr,
         n_ptr,
         succ_ptr,
         kind_ptr,
         step_ptr,
         episode_ptr,
+        prev_ptr,
         reward_ptr,
         reward_powers_ptr,
         discount_powers_ptr,
@@ -55,16 +71,21 @@ if triton is not None:  # the kernel's annotations need Triton
         batch,
         n_fixed,
         n_max,
-        PER_SAMPLE: tl.constexpr,  # the compile-time arguments
+        PICK: tl.constexpr,  # the compile-time arguments
+        PER_SAMPLE: tl.constexpr,
         ONE_STEP: tl.constexpr,
         F64: tl.constexpr,
+        K: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Per anchor: follow ``succ`` for up to n steps while the row changes (index.Windows),
-        summing γ^k r; then the last row's end kind, γ^m, the anchor's step and episode."""
+        """Per anchor (``table[start]`` with PICK): follow ``succ`` for up to n steps while the
+        row changes (index.Windows), summing γ^k r; then the last row's end kind, γ^m, the
+        anchor's step and episode; with K > 0 the K-frame stacks of both observations."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < batch
         first = tl.load(start_ptr + i, mask=live, other=0)
+        if PICK:
+            first = tl.load(table_ptr + first, mask=live, other=0)
         if PER_SAMPLE:
             n = tl.load(n_ptr + i, mask=live, other=0)
         else:
@@ -100,24 +121,21 @@ if triton is not None:  # the kernel's annotations need Triton
         tl.store(flags_ptr + batch + i, (kind == 2).to(tl.uint8), mask=live)  # END_TRUNCATED
         tl.store(flags_ptr + 2 * batch + i, cut.to(tl.uint8), mask=live)
         tl.store(discount_ptr + i, discount, mask=live)
+        if K > 0:  # after the five int planes: the stacks of the 2B observations, K cells each
+            stacks = ints_ptr + 5 * batch
+            reals = flags_ptr + 3 * batch
+            _stack(first, live, prev_ptr, stacks + i * K, reals + i * K, K)
+            _stack(row, live, prev_ptr, stacks + (batch + i) * K, reals + (batch + i) * K, K)
 
     @triton.jit
     def _stack_rows_kernel(
         rows_ptr, prev_ptr, stacked_ptr, real_ptr, count, K: tl.constexpr, BLOCK: tl.constexpr
     ):
-        """Per row: the rows of its k-frame stack, oldest first, each step back along
-        ``prev_row`` until the episode's first row, which then repeats (index.stack_rows)."""
+        """Per row: the rows of its k-frame stack (:func:`_stack`)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < count
         row = tl.load(rows_ptr + i, mask=live, other=0)
-        tl.store(stacked_ptr + i * K + (K - 1), row, mask=live)
-        tl.store(real_ptr + i * K + (K - 1), tl.full([BLOCK], 1, tl.uint8), mask=live)
-        for j in tl.static_range(1, K):
-            prev = tl.load(prev_ptr + row, mask=live, other=-1)
-            has = prev >= 0  # False at the first row, and so at every position before it
-            row = tl.where(has, prev, row)
-            tl.store(stacked_ptr + i * K + (K - 1 - j), row, mask=live)
-            tl.store(real_ptr + i * K + (K - 1 - j), has.to(tl.uint8), mask=live)
+        _stack(row, live, prev_ptr, stacked_ptr + i * K, real_ptr + i * K, K)
 
     @triton.jit
     def _sequence_kernel(
@@ -191,10 +209,15 @@ def nstep_windows(
     gamma: float,
     links: Any,
     rewards: torch.Tensor,
-) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    table: torch.Tensor | None = None,
+    frame_stack: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None:
     """``sampling._window_values`` on the storing device in one launch: the rows of both
-    observations (``[2B]``) and the values from ``reward`` to ``episode_id``; or None where it
-    does not apply (no Triton, CPU tensors, a reward that is not 1-D float32 or float64)."""
+    observations (``[2B]``), the values from ``reward`` to ``episode_id``, and with
+    ``frame_stack=k`` the k-frame stacks of both observations (``stacked`` and ``real``,
+    ``[2B, k]``, as :func:`stack_rows`); or None where it does not apply (no Triton, CPU
+    tensors, a reward that is not 1-D float32 or float64). ``table``: ``start`` holds places
+    in it (the packed anchor rows), looked up in the kernel."""
     device = start.device
     if not _runs_on(start) or n_max < 1:
         return None
@@ -205,25 +228,34 @@ def nstep_windows(
     columns = (links.succ, links.end_kind, links.step, links.episode)
     if not _long_columns(*columns):  # the kernel writes step and episode as int64
         return None
+    k = frame_stack or 0
+    prev_row = links.prev_row if k else start  # unread without frame stacking
+    if not _long_columns(prev_row, *(() if table is None else (table,))):
+        return None
     batch = start.shape[0]
     per_sample = isinstance(n_each, torch.Tensor)
-    ints = torch.empty((5, batch), dtype=torch.long, device=device)
+    ints = torch.empty(5 * batch + 2 * batch * k, dtype=torch.long, device=device)
     total = torch.empty(batch, dtype=rewards.dtype, device=device)
-    flags = torch.empty((3, batch), dtype=torch.uint8, device=device)
+    flags = torch.empty(3 * batch + 2 * batch * k, dtype=torch.uint8, device=device)
     discount = torch.empty(batch, dtype=torch.float32, device=device)
     if batch:
         n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
         reward_powers = torch_reward_powers(gamma, n_max, rewards.dtype, device)
         with _current(device):
             _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
-                start, n_column, *columns, rewards, reward_powers,
-                discount_powers(gamma, n_max, device), ints, total, flags, discount,
-                batch, n_max if not per_sample else 0, n_max,
-                PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
-                F64=rewards.dtype == torch.float64, BLOCK=BLOCK,
+                start, start if table is None else table, n_column, *columns, prev_row,
+                rewards, reward_powers, discount_powers(gamma, n_max, device), ints, total,
+                flags, discount, batch, n_max if not per_sample else 0, n_max,
+                PICK=table is not None, PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
+                F64=rewards.dtype == torch.float64, K=k, BLOCK=BLOCK,
             )  # fmt: skip
     flag = flags.view(torch.bool)
-    return ints[:2].reshape(-1), [total, flag[0], flag[1], flag[2], discount, *ints[2:]]
+    planes, flat = ints[: 5 * batch].view(5, batch), flag[: 3 * batch].view(3, batch)
+    values = [total, flat[0], flat[1], flat[2], discount, *planes[2:]]
+    stacks = None
+    if k:
+        stacks = ints[5 * batch :].view(2 * batch, k), flag[3 * batch :].view(2 * batch, k)
+    return planes[:2].reshape(-1), values, stacks
 
 
 def stack_rows(

@@ -101,14 +101,19 @@ def _zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) ->
     return _kept_or_zero(keep, value)
 
 
-def _stacked_observations_at(core: EpisodeCore, rows: Values) -> list[torch.Tensor]:
+def _stacked_observations_at(
+    core: EpisodeCore, rows: Values, stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Each observation field's k-frame stacks at ``rows [N]`` (``frame_stack=k`` set), on the
-    storing device: ``[N, k, *field]``. The stack rows are found in numpy on the host."""
+    storing device: ``[N, k, *field]``. The stack rows are found in numpy on the host, or
+    given (``stacks``: the fused n-step kernel found them)."""
     keys = _keys(core, "observation")
     k = core.frame_stack
     assert k is not None, "only buffers with frame stacking rebuild stacks"
     host = core.links.host
-    if host is None:  # one launch where Triton runs, else k - 1 steps of torch ops
+    if stacks is not None:
+        stacked, real = stacks
+    elif host is None:  # one launch where Triton runs, else k - 1 steps of torch ops
         prev_row = core.links.prev_row
         fused = fused_stack_rows(_tensor(rows), k, prev_row)
         stacked, real = fused or stack_rows(_tensor(rows), k, prev_row)  # [N, k]
@@ -162,10 +167,13 @@ def nstep_batch(
     gamma: float,
     device: torch.device,
     generator: torch.Generator,
+    table: torch.Tensor | None = None,
 ) -> TensorDict:
     """n-step transitions from anchor rows ``start`` (see :mod:`replaybuf.nstep` for the math).
 
     One gather per field (observations at both window ends together), one TensorDict built.
+    ``table``: ``start`` holds places in it (the packed anchor rows, a uniform draw), which the
+    fused kernel looks up itself (one gather less).
     """
     batch = start.shape[0]
     if isinstance(n, tuple):
@@ -176,7 +184,8 @@ def nstep_batch(
         n_max = high
     else:
         n_each = n_max = n
-    ends, info = _window_values(core, start, n_each, n_max, gamma)
+    ends, info, stacks = _window_values(core, start, n_each, n_max, gamma, table)
+    start = _tensor(ends[:batch])  # the anchor rows (places in table were looked up)
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
     keys = _nstep_keys(obs_keys, step_keys)
     values = _host_nstep_values(core, start, ends, info, obs_keys, step_keys, batch, device)
@@ -186,7 +195,8 @@ def nstep_batch(
     if core.frame_stack is None:
         parts: list[Part] = [(slots.column(key), _tensor(ends)) for key in obs_keys]
     else:
-        parts = [(stacked, None) for stacked in _stacked_observations_at(core, ends)]
+        stacked_obs = _stacked_observations_at(core, ends, stacks)
+        parts = [(stacked, None) for stacked in stacked_obs]
     parts += [(slots.column(key), start) for key in step_keys]
     parts += [(_tensor(value), None) for value in info]
     delivered = iter(slots.deliver(parts, device))  # one pinned transfer from CPU to CUDA
@@ -370,10 +380,17 @@ def _tensor(value: Values) -> torch.Tensor:
 
 
 def _window_values(
-    core: EpisodeCore, start: torch.Tensor, n_each: torch.Tensor | int, n_max: int, gamma: float
-) -> tuple[Values, list[Values]]:
-    """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends) and
-    its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``.
+    core: EpisodeCore,
+    start: torch.Tensor,
+    n_each: torch.Tensor | int,
+    n_max: int,
+    gamma: float,
+    table: torch.Tensor | None = None,
+) -> tuple[Values, list[Values], tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends),
+    its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``, and the frame
+    stacks of both observations where the fused kernel found them (else None). ``table``:
+    ``start`` holds places in it (see :func:`nstep_batch`).
 
     With CPU storage the index math runs in one :mod:`replaybuf.kernels` call where numba is
     installed, else in numpy on views of the same columns (see :mod:`replaybuf.index`), and
@@ -381,6 +398,8 @@ def _window_values(
     runs it in torch, with no host synchronisation.
     """
     links, host = core.links, core.links.host
+    if table is not None and host is not None:  # the host paths take anchor rows
+        start, table = table.index_select(0, start), None
     compiled = core.kernels if host is not None else None
     rewards = core.slots.host_view(("reward",))  # None on CUDA storage, and for bfloat16
     if rewards is not None and (rewards.ndim != 1 or rewards.dtype not in _HOST_REWARD):
@@ -398,12 +417,16 @@ def _window_values(
             rewards,
             gamma,
         )
-        return ends, values
+        return ends, values, None
     if host is None:
         reward_column = core.slots.column(("reward",))
-        fused = fused_nstep_windows(start, n_each, n_max, gamma, links, reward_column)
+        fused = fused_nstep_windows(
+            start, n_each, n_max, gamma, links, reward_column, table, core.frame_stack
+        )
         if fused is not None:  # one launch for the ops below (CUDA storage, Triton installed)
             return fused
+        if table is not None:
+            start = table.index_select(0, start)
         w = nstep_windows(start, n_each, n_max, links.succ, links.end_kind)
         step, episode = links.step.index_select(0, start), links.episode.index_select(0, start)
         ends = torch.cat([start, w.last_row])
@@ -422,7 +445,7 @@ def _window_values(
         gathered = gathered.reshape(n_max, *rows.shape[1:], *reward_column.shape[1:])
         reward = window_return(gathered, torch.as_tensor(w.valid), gamma)
     discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)
-    return ends, [reward, w.terminal, w.truncated, w.cut, discount, w.m, step, episode]
+    return ends, [reward, w.terminal, w.truncated, w.cut, discount, w.m, step, episode], None
 
 
 # Reward dtypes whose window sums run in numpy on the host path (numpy has no bfloat16, and
@@ -703,7 +726,7 @@ def _fused_draw(
     shape = (batch_size, tries)
     picks = torch.randint(0, anchors.count, shape, generator=generator, device=table.device)
     walk = fused_sequences(picks, table, length, core.links, strict)
-    if walk is None or not strict or bool(walk.found.all()):  # strict: the one sync
+    if walk is None or not strict or walk.found.cpu().numpy().all():  # strict: the one sync
         return walk
     missing = ~walk.found
     start = walk.start.clone()

@@ -88,37 +88,6 @@ def generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(2)
 
 
-def compare(
-    buf: SyncEpisodeReplayBuffer, n: int | tuple[int, int], gamma: float, batch: int = 64
-) -> list[int]:
-    """Asserts that the same anchors through the kernel and through the torch ops give the
-    same batch (frame stacks too, where the buffer stacks: the second kernel's path); returns
-    the n-step kernel's launches (their program counts)."""
-    core = buf._core
-    start = core.anchors.sample(batch, torch.Generator(device=buf.device).manual_seed(1))
-    calls: list[int] = []
-    kernel = fused._nstep_windows_kernel
-
-    class Counted:
-        def __getitem__(self, grid: tuple[int]) -> object:
-            calls.append(grid[0])
-            return kernel[grid]
-
-    os.environ[fused.TRITON_ENV] = "0"
-    try:
-        want = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
-    finally:
-        del os.environ[fused.TRITON_ENV]
-    assert not calls
-    fused._nstep_windows_kernel = Counted()
-    try:
-        got = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
-    finally:
-        fused._nstep_windows_kernel = kernel
-    assert_same(want, got)
-    return calls
-
-
 class Counting:
     """Counts the launches (their program counts) of one of ``fused``'s kernels while on."""
 
@@ -140,6 +109,30 @@ class Counting:
 def torch_ops() -> mock._patch_dict:
     """The kernels switched off (``REPLAYBUF_TRITON=0``) inside."""
     return mock.patch.dict(os.environ, {fused.TRITON_ENV: "0"})
+
+
+def compare(
+    buf: SyncEpisodeReplayBuffer, n: int | tuple[int, int], gamma: float, batch: int = 64
+) -> list[int]:
+    """Asserts that the same anchors through the kernel and through the torch ops give the
+    same batch (frame stacks too, where the buffer stacks), both from anchor rows and from
+    places in the packed anchor rows (a uniform draw, looked up in the kernel); returns the
+    n-step kernel's launches (their program counts)."""
+    core = buf._core
+    g = torch.Generator(device=buf.device).manual_seed(1)
+    places, table = core.anchors.draw_places(batch, g)
+    start = table.index_select(0, places)
+    with Counting("_nstep_windows_kernel") as calls, torch_ops():
+        want = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
+        looked_up = nstep_batch(core, places, n, gamma, buf.device, generator(buf.device), table)
+    assert not calls
+    assert_same(want, looked_up)
+    with Counting("_nstep_windows_kernel") as calls:
+        got = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
+        picked = nstep_batch(core, places, n, gamma, buf.device, generator(buf.device), table)
+    assert_same(want, got)
+    assert_same(want, picked)
+    return calls
 
 
 def compare_sequences(
@@ -216,7 +209,7 @@ def test_the_kernel_matches_the_torch_ops(layout, dtype, capacity, n, gamma, bat
         buf._core.flush()
         if buf._core.anchors.count == 0:
             return  # nothing to sample yet (one running episode of one step, say)
-        assert compare(buf, n, gamma, batch) == launches(batch)
+        assert compare(buf, n, gamma, batch) == launches(batch) * 2
 
 
 @INTERPRETED
@@ -367,7 +360,7 @@ def test_the_compiled_kernel_matches_the_torch_ops_on_cuda(dtype, n):
     layout = [(9, "terminated"), (4, None), (7, "truncated"), (1, "terminated"), (12, None)]
     with filled(layout, dtype, 30, "cuda") as buf:
         buf._core.flush()
-        assert compare(buf, n, 0.9) == launches(64)
+        assert compare(buf, n, 0.9) == launches(64) * 2
 
 
 @pytest.mark.parametrize(
