@@ -475,43 +475,59 @@ def sequence_batch(
     """
     walk = walk or _walk(core, start, length, full)
     padded = not full and _padded(walk.mask)
+    # Padded and without frame stacking, the observations at t and t+1 are gathered apart
+    # (fresh tensors, filled in place) rather than as two overlapping views of one gather.
+    apart = padded and core.frame_stack is None
     batch = start.shape[0]
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "reward", "extras")
     slots = core.slots
     parts: list[Part] = []
-    if core.frame_stack is None:
+    if apart:
+        for rows in (walk.step_rows, walk.next_rows):
+            parts += [(slots.column(key), rows.reshape(-1)) for key in obs_keys]
+    elif core.frame_stack is None:
         parts += [(slots.column(key), walk.obs_rows.reshape(-1)) for key in obs_keys]
     parts += [(slots.column(key), walk.step_rows.reshape(-1)) for key in step_keys]
-    flat = (walk.terminal, walk.truncated, walk.step, walk.episode, walk.mask)
+    flat = (walk.terminal, walk.truncated, walk.step, walk.episode, walk.mask, walk.pad)
     parts += [(value, None) for value in flat]
     # One pinned transfer from CPU storage to CUDA (frame-stacked observations make a second).
     delivered = slots.deliver(parts, device)
-    terminal, truncated, step_id, episode_id, mask = delivered[-5:]
-    if core.frame_stack is None:  # [B * (length + 1), *field] -> [B, length + 1, *field]
-        observations = [
-            v.reshape(batch, length + 1, *v.shape[1:]) for v in delivered[: len(obs_keys)]
-        ]
-        delivered = delivered[len(obs_keys) :]
-    else:  # [B, length + 1, k, *field], rebuilt from one frame per step
-        stacked = _stacked_observations(core, start, walk.obs_rows, device)
-        observations = [stacked.get(key) for key in obs_keys]
+    terminal, truncated, step_id, episode_id, mask, pad = delivered[-6:]
+    observed = len(obs_keys)
+    if apart:  # [B * length, *field] each -> [B, length, *field]
+        now_after = [v.reshape(batch, length, *v.shape[1:]) for v in delivered[: 2 * observed]]
+        delivered = delivered[2 * observed :]
+        observations = list(zip(now_after[:observed], now_after[observed:], strict=True))
+    else:
+        if core.frame_stack is None:  # [B * (length + 1), *field] -> [B, length + 1, *field]
+            both = [v.reshape(batch, length + 1, *v.shape[1:]) for v in delivered[:observed]]
+            delivered = delivered[observed:]
+        else:  # [B, length + 1, k, *field], rebuilt from one frame per step
+            stacked = _stacked_observations(core, start, walk.obs_rows, device)
+            both = [stacked.get(key) for key in obs_keys]
+        observations = [(value[:, :length], value[:, 1:]) for value in both]
     steps = {  # [B * length, *field] -> [B, length, *field]; a prefix of delivered
         key: value.reshape(batch, length, *value.shape[1:])
         for key, value in zip(step_keys, delivered, strict=False)
     }
     # Key order: observation, action, reward, next_observation, terminal, truncated, step,
     # episode_id, the extras (top-level keys), mask.
-    obs = list(zip(obs_keys, observations, strict=True))
-    now = [(key, value[:, :length]) for key, value in obs]
-    after = [(("next_observation", *key[1:]), value[:, 1:]) for key, value in obs]
+    now = [(key, pair[0]) for key, pair in zip(obs_keys, observations, strict=True)]
+    after = [
+        (("next_observation", *key[1:]), pair[1])
+        for key, pair in zip(obs_keys, observations, strict=True)
+    ]
     acted = [(key, value) for key, value in steps.items() if key[0] != "extras"]
     extras = [(key[1:], value) for key, value in steps.items() if key[0] == "extras"]
     if padded:  # zeros past the end (the walk's own values already are)
-        # The observation pairs are overlapping views of one gather: they get new tensors.
-        # Every other field is a fresh gather of its own, filled in place.
-        now = [(key, _pad(value, mask, _zero(value))) for key, value in now]
-        after = [(key, _pad(value, mask, _zero(value))) for key, value in after]
-        pad = ~mask
+        if apart:  # fresh gathers, like every other field: filled in place
+            now, after = (
+                [(key, _pad_in_place(value, pad, _zero(value))) for key, value in group]
+                for group in (now, after)
+            )
+        else:  # overlapping views of one gather: new tensors
+            now = [(key, _pad(value, mask, _zero(value))) for key, value in now]
+            after = [(key, _pad(value, mask, _zero(value))) for key, value in after]
         acted, extras = (
             [(key, _pad_in_place(value, pad, _zero(value))) for key, value in group]
             for group in (acted, extras)
@@ -540,32 +556,34 @@ def _walk(core: EpisodeCore, start: torch.Tensor, length: int, full: bool) -> Wa
         jumps = links.jumps(jump_levels(length))
         obs_rows, mask = sequence_rows_by_jumps(start, length, jumps)  # [B, L + 1], [B, L]
         step_rows = obs_rows[:, :length].contiguous()
-        next_kind = links.end_kind.index_select(0, obs_rows[:, 1:].reshape(-1))
-        step = links.step.index_select(0, step_rows.reshape(-1))
+        next_rows = obs_rows[:, 1:].contiguous()
+        next_kind = links.end_kind.index_select(0, next_rows.reshape(-1)).view(mask.shape)
+        step = links.step.index_select(0, step_rows.reshape(-1)).view(mask.shape)
         episode = links.episode.index_select(0, start).unsqueeze(1).expand(-1, length)
-        values: list[Values] = [next_kind.view(mask.shape), step.view(mask.shape), episode]
+        padded = not full  # unknown without a device synchronisation: filled as if
+        pad = ~mask
     else:
         at = start.numpy()
         rows, real = sequence_rows(at, length, host.succ)
-        step_rows = np.ascontiguousarray(rows[:, :length])
-        values = [host.end_kind[rows[:, 1:]], host.step[step_rows], host.episode[at]]
-        values[2] = np.broadcast_to(values[2][:, None], real.shape)
+        step_rows, next_rows = (np.ascontiguousarray(r) for r in (rows[:, :length], rows[:, 1:]))
+        next_kind, step = host.end_kind[next_rows], host.step[step_rows]
+        episode = np.broadcast_to(host.episode[at][:, None], real.shape)
+        padded = not full and not real.all()
+        pad = ~real
         obs_rows, mask = torch.from_numpy(rows), torch.from_numpy(real)
-        step_rows = torch.from_numpy(step_rows)
-    next_kind, step, episode = values
     terminal, truncated = next_kind == END_TERMINATED, next_kind == END_TRUNCATED
-    if not full and _padded(mask):  # False and -1 past the end
+    if padded:  # False and -1 past the end
         real = mask.numpy() if host is not None else mask
         terminal, truncated = terminal & real, truncated & real
         where = np.where if host is not None else torch.where
         step, episode = where(real, step, -1), where(real, episode, -1)
-    elif host is not None:
-        episode = episode.copy()  # its own array (a caller may write into a batch)
-    else:
-        episode = episode.clone()
-    values = [terminal, truncated, step, episode]
-    terminal, truncated, step, episode = (_tensor(v) for v in values)
-    return Walk(start, obs_rows, step_rows, mask, terminal, truncated, step, episode, None)
+    else:  # its own array (a caller may write into a batch)
+        episode = episode.copy() if host is not None else episode.clone()
+    values = (step_rows, next_rows, pad, terminal, truncated, step, episode)
+    step_rows, next_rows, pad, terminal, truncated, step, episode = (_tensor(v) for v in values)
+    return Walk(
+        start, obs_rows, step_rows, next_rows, mask, pad, terminal, truncated, step, episode, None
+    )
 
 
 def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:
