@@ -1,10 +1,13 @@
-"""Fused CUDA kernels (Triton): the n-step window math and the frame-stack rows of CUDA storage.
+"""Fused CUDA kernels (Triton): the index math of n-step, frame-stacked and sequence batches.
 
 On CUDA storage :func:`replaybuf.index.nstep_windows`, :func:`replaybuf.nstep.window_return`
-and :func:`replaybuf.nstep.bootstrap_discount` are ~15 small torch ops per batch, and
-:func:`replaybuf.index.stack_rows` 3 per stacked frame. Each is a kernel launch that costs the
-host 6-20 µs (measured on an H200) for about 1 µs of GPU work: a batch is bound by launches,
-not by the GPU. Each kernel here does its whole job in one launch.
+and :func:`replaybuf.nstep.bootstrap_discount` are ~15 small torch ops per batch,
+:func:`replaybuf.index.stack_rows` 3 per stacked frame, and a sequence batch's draw, walk and
+padding ~30. Each is a kernel launch that costs the host 6-20 µs (measured on an H200) for
+about 1 µs of GPU work: a batch is bound by launches, not by the GPU. Each kernel here does
+its whole job in one launch: the n-step window (with the anchor lookup and both observations'
+frame stacks), the frame-stack rows of given rows, and a sequence batch's walk (with its
+uniform draw).
 
 Written by hand because torch has no such op, and ``torch.compile`` recompiles for new batch
 sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
