@@ -296,7 +296,7 @@ class Walk(NamedTuple):
     truncated: torch.Tensor  # [B, L] bool
     step: torch.Tensor  # [B, L] int64, -1 past the end
     episode: torch.Tensor  # [B, L] int64, -1 past the end
-    found: torch.Tensor  # [B] bool: a strict draw found a start with L steps ahead
+    found: torch.Tensor | None  # [B] bool: a strict draw found a start (the kernel's walks)
 
 
 def walks(links: Any, rows: torch.Tensor) -> bool:

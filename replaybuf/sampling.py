@@ -185,7 +185,8 @@ def nstep_batch(
     else:
         n_each = n_max = n
     ends, info, stacks = _window_values(core, start, n_each, n_max, gamma, table)
-    start = _tensor(ends[:batch])  # the anchor rows (places in table were looked up)
+    if table is not None:  # the anchor rows, looked up where start held places in table
+        start = _tensor(ends)[:batch]
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
     keys = _nstep_keys(obs_keys, step_keys)
     values = _host_nstep_values(core, start, ends, info, obs_keys, step_keys, batch, device)
@@ -744,7 +745,10 @@ def _fused_draw(
     shape = (batch_size, tries)
     picks = torch.randint(0, anchors.count, shape, generator=generator, device=table.device)
     walk = fused_sequences(picks, table, length, core.links, strict)
-    if walk is None or not strict or walk.found.cpu().numpy().all():  # strict: the one sync
+    if walk is None or not strict:
+        return walk
+    assert walk.found is not None, "the kernel's walks say which slots found a start"
+    if walk.found.cpu().numpy().all():  # the one host synchronisation of a strict draw
         return walk
     missing = ~walk.found
     start = walk.start.clone()
