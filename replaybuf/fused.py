@@ -13,7 +13,8 @@ Written by hand because torch has no such op, and ``torch.compile`` recompiles f
 sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
 Linux; without it (CPU-only builds), on GPUs it does not build for, for rewards it does not
 take, or with ``REPLAYBUF_TRITON=0``, the torch ops run, with the same results (returns to
-rounding). The tests compare the two, running the kernels in Triton's interpreter on the CPU.
+rounding; a strict sequence draw makes other draws, as uniform). The tests compare the two,
+running the kernels in Triton's interpreter on the CPU.
 No ``from __future__ import annotations`` here: Triton reads the kernels' annotations.
 """
 
@@ -221,8 +222,9 @@ def nstep_windows(
     observations (``[2B]``), the values from ``reward`` to ``episode_id``, and with
     ``frame_stack=k`` the k-frame stacks of both observations (``stacked`` and ``real``,
     ``[2B, k]``, as :func:`stack_rows`); or None where it does not apply (no Triton, CPU
-    tensors, a reward that is not 1-D float32 or float64). ``table``: ``start`` holds places
-    in it (the packed anchor rows), looked up in the kernel."""
+    tensors, a reward that is not 1-D float32 or float64, index columns that are not
+    contiguous int64, outputs past int32 offsets). ``table``: ``start`` holds places in it
+    (the packed anchor rows), looked up in the kernel."""
     device = start.device
     if not _runs_on(start) or n_max < 1:
         return None
@@ -238,6 +240,8 @@ def nstep_windows(
     if not _long_columns(prev_row, *(() if table is None else (table,))):
         return None
     batch = start.shape[0]
+    if not _int32_offsets((5 + 2 * k) * batch):
+        return None
     per_sample = isinstance(n_each, torch.Tensor)
     ints = torch.empty(5 * batch + 2 * batch * k, dtype=torch.long, device=device)
     total = torch.empty(batch, dtype=rewards.dtype, device=device)
@@ -273,6 +277,8 @@ def stack_rows(
     if not _runs_on(rows) or not _long_columns(rows, prev_row):
         return None
     count = rows.numel()
+    if not _int32_offsets(count * k):
+        return None
     stacked = torch.empty((*rows.shape, k), dtype=torch.long, device=rows.device)
     real = torch.empty((*rows.shape, k), dtype=torch.uint8, device=rows.device)
     if count:
@@ -283,8 +289,9 @@ def stack_rows(
 
 
 class Walk(NamedTuple):
-    """A sequence batch's rows and per-step values on the storing device (``[B, L]`` each but
-    ``obs_rows`` and ``start``), zero (False) or -1 past the episode's end."""
+    """A sequence batch's rows and per-step values on the storing device (``[B, L]`` each
+    but ``start``, ``obs_rows`` and ``found``). Past the episode's end the rows repeat its
+    last real row, the flags are False and ``step`` and ``episode`` -1."""
 
     start: torch.Tensor  # [B] the anchors
     obs_rows: torch.Tensor  # [B, L + 1] obs_t .. obs_{t+L}, repeating the last real row
@@ -318,6 +325,8 @@ def sequences(
         return None
     batch, tries = draws.shape
     assert strict or tries == 1, "a draw that is not strict takes its one candidate"
+    if not _int32_offsets(4 * batch * (length + 1) + batch * tries):
+        return None
     device = draws.device
     cells = batch * length
     rows = torch.empty((batch, length + 1), dtype=torch.long, device=device)
@@ -337,6 +346,12 @@ def sequences(
     return Walk(
         start, rows, step_rows, next_rows, mask, pad, terminal, truncated, step, episode, found
     )
+
+
+def _int32_offsets(cells: int) -> bool:
+    """Whether a launch's output offsets (``cells`` elements per output) fit the int32 index
+    arithmetic of the kernels (Triton types a Python int under 2^31 as int32)."""
+    return cells < 2**31
 
 
 def _long_columns(*tensors: torch.Tensor) -> bool:

@@ -476,12 +476,14 @@ def sequence_batch(
     """
     walk = walk or _walk(core, start, length, full)
     padded = not full and _padded(walk.mask)
+    slots = core.slots
     # Padded and without frame stacking, the observations at t and t+1 are gathered apart
-    # (fresh tensors, filled in place) rather than as two overlapping views of one gather.
-    apart = padded and core.frame_stack is None
+    # (fresh tensors, filled in place) rather than as two overlapping views of one gather;
+    # not from CPU storage to a GPU, where that would copy twice the observations' bytes.
+    staged = slots.storing_device.type == "cpu" and device.type != "cpu"
+    apart = padded and core.frame_stack is None and not staged
     batch = start.shape[0]
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "reward", "extras")
-    slots = core.slots
     parts: list[Part] = []
     if apart:
         for rows in (walk.step_rows, walk.next_rows):

@@ -223,8 +223,8 @@ def test_an_empty_batch_launches_nothing():
 
 @INTERPRETED
 def test_the_kernel_declines_what_it_does_not_take():
-    """2-D, integer, float16 and strided rewards, int32 or strided rows, and
-    REPLAYBUF_TRITON=0 leave the batch to the torch ops."""
+    """2-D, integer, float16 and strided rewards, int32 or strided rows, outputs past int32
+    offsets and REPLAYBUF_TRITON=0 leave the batch to the torch ops."""
     start = torch.zeros(4, dtype=torch.long)
     with mirrored():
         buf = filled([(5, "terminated")], torch.float32, 20, "cpu")
@@ -245,9 +245,16 @@ def test_the_kernel_declines_what_it_does_not_take():
         assert fused.stack_rows(start, 3, prev_row) is not None
         assert fused.stack_rows(start.int(), 3, prev_row) is None
         assert fused.stack_rows(start, 3, prev_row.int()) is None
+        walk_draws = start.unsqueeze(1)
+        assert fused.sequences(walk_draws, None, 3, links, strict=False) is not None
+        with mock.patch.object(fused, "_int32_offsets", return_value=False):  # too big
+            assert fused.nstep_windows(start, 2, 2, 0.9, links, rewards) is None
+            assert fused.stack_rows(start, 3, prev_row) is None
+            assert fused.sequences(walk_draws, None, 3, links, strict=False) is None
         os.environ[fused.TRITON_ENV] = "0"
         try:
             assert fused.nstep_windows(start, 2, 2, 0.9, links, torch.zeros(20)) is None
+            assert fused.sequences(walk_draws, None, 3, links, strict=False) is None
         finally:
             del os.environ[fused.TRITON_ENV]
 
@@ -361,6 +368,12 @@ def test_the_compiled_kernel_matches_the_torch_ops_on_cuda(dtype, n):
     with filled(layout, dtype, 30, "cuda") as buf:
         buf._core.flush()
         assert compare(buf, n, 0.9) == launches(64) * 2
+
+
+def test_outputs_past_int32_offsets_are_declined():
+    """The kernels index their outputs in int32: 2^31 elements an output is one too many."""
+    assert fused._int32_offsets(2**31 - 1)
+    assert not fused._int32_offsets(2**31)
 
 
 @pytest.mark.parametrize(
