@@ -1025,10 +1025,14 @@ class EpisodeCore:
             self._packed = _Packed()  # only now: a failed write keeps what it was to apply
 
     def _admit(self, starts: torch.Tensor) -> None:
-        """Add new anchors (CPU int64) to the set, and to the priorities at their maximum."""
-        self.anchors.add(starts)
+        """Add new anchors (CPU int64) to the priorities at their maximum, and to the set.
+
+        The priorities first: an admission that raises (a device allocation, say) leaves the
+        set as it was, and the next flush, which applies the same packed bookkeeping again,
+        adds each anchor once (the set would hold it twice otherwise)."""
         if self.priorities is not None:  # new steps enter at the current maximum
             self.priorities.admit(to_device_async(starts, self.slots.storing_device))
+        self.anchors.add(starts)
 
     def clear(self) -> None:
         """Drop every episode (ids keep counting up, so old ids stay invalid)."""

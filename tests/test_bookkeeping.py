@@ -625,3 +625,28 @@ def test_the_staging_buffer_holds_512_rows_or_512_kib_of_small_rows(observation_
         row_bytes = buf._core.slots.spec.row_bytes
         assert row_bytes == 4 * observation_floats + 8 + 4  # observation, int64 action, reward
         assert buf._core._stager.capacity == rows == max(512, min(4096, 2**19 // row_bytes))
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+def test_a_failed_priority_admission_is_applied_again_without_duplicate_anchors(mirror):
+    """A flush whose priority admission raises (a device allocation failing, say) keeps the
+    staged bookkeeping, and the next flush applies it: every new step becomes an anchor once,
+    with its priority."""
+    with mirrored() if mirror else contextlib.nullcontext():
+        buf = SyncEpisodeReplayBuffer(50, prioritized=True, storage="tensor", seed=0)
+    with buf:
+        episode = buf.start_episode()
+        for t in range(6):
+            buf.append_observation_action_reward(episode, torch.full((3,), t), t, 1.0)
+        core = buf._core
+        failing = mock.patch.object(
+            type(core.priorities), "admit", side_effect=RuntimeError("out of memory")
+        )
+        with failing, pytest.raises(RuntimeError, match="out of memory"):
+            buf.sample_n_step(4)
+        batch = buf.sample_n_step(4)
+        assert_bookkeeping(core)
+        anchors = core.anchors.snapshot()
+        assert anchors.numel() == 5
+        assert bool((core.priorities.tree.get(anchors) > 0).all())
+        assert set(batch["start_step"].tolist()) <= set(range(5))
