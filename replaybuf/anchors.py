@@ -140,14 +140,13 @@ class AnchorSet:
         return rows.index_select(0, places)
 
     def draw_places(
-        self, batch_size: int, generator: torch.Generator
+        self, shape: int | tuple[int, ...], generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample`'s draws as places in :attr:`rows` (returned too), before the lookup:
-        a fused kernel does it in its own launch."""
+        """:meth:`sample`'s draws (``shape`` of them, uniform with replacement) as places in
+        :attr:`rows` (returned too), before the lookup: a fused kernel does it in its launch."""
         rows = self.rows
-        places = torch.randint(
-            0, self.count, (batch_size,), generator=generator, device=rows.device
-        )
+        size = (shape,) if isinstance(shape, int) else shape
+        places = torch.randint(0, self.count, size, generator=generator, device=rows.device)
         return places, rows
 
     def sample_host(self, batch_size: int, generator: torch.Generator) -> np.ndarray:

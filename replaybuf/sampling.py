@@ -740,13 +740,11 @@ def _fused_draw(
     anchors = core.anchors
     if core.priorities is not None or core.links.host is not None or anchors.count == 0:
         return None
-    table = anchors.rows
-    if not fused_walks(core.links, table):
+    if not fused_walks(core.links, anchors.rows):
         return None
     tries = STRICT_TRIES if strict else 1
-    shape = (batch_size, tries)
-    picks = torch.randint(0, anchors.count, shape, generator=generator, device=table.device)
-    walk = fused_sequences(picks, table, length, core.links, strict)
+    places, table = anchors.draw_places((batch_size, tries), generator)
+    walk = fused_sequences(places, table, length, core.links, strict)
     if walk is None or not strict:
         return walk
     assert walk.found is not None, "the kernel's walks say which slots found a start"
