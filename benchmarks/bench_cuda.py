@@ -49,6 +49,7 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.fused import TRITON_ENV
+from replaybuf.graphs import GRAPHS_ENV
 
 
 @dataclass(frozen=True)
@@ -119,22 +120,33 @@ def host_syncs(fn: Callable[[], Any], device: torch.device) -> str:
     return "none"
 
 
-def torch_ops(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` with replaybuf.fused switched off (``REPLAYBUF_TRITON=0``): the torch ops its
-    Triton kernels replace, timed beside them in the same run."""
+def switched_off(variable: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with the environment ``variable`` set to "0" during its calls."""
 
     def call() -> Any:
-        before = os.environ.get(TRITON_ENV)
-        os.environ[TRITON_ENV] = "0"
+        before = os.environ.get(variable)
+        os.environ[variable] = "0"
         try:
             return fn()
         finally:
             if before is None:
-                del os.environ[TRITON_ENV]
+                del os.environ[variable]
             else:
-                os.environ[TRITON_ENV] = before
+                os.environ[variable] = before
 
     return call
+
+
+def torch_ops(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with replaybuf.fused switched off (``REPLAYBUF_TRITON=0``): the torch ops its
+    Triton kernels replace (and no graphs, which need the kernels), timed in the same run."""
+    return switched_off(TRITON_ENV, fn)
+
+
+def no_graphs(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` without captured graphs (``REPLAYBUF_CUDA_GRAPHS=0``): the kernels and ops that
+    replay of a graph replaces, launched one by one."""
+    return switched_off(GRAPHS_ENV, fn)
 
 
 def rows_of(columns: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:
@@ -246,6 +258,7 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "replaybuf": lambda: ours.sample_n_step(BATCH, n=N, gamma=GAMMA),
         "replaybuf prioritized": lambda: ours_per.sample_n_step(BATCH, n=N, gamma=GAMMA),
         "replaybuf torch ops": torch_ops(lambda: ours.sample_n_step(BATCH, n=N, gamma=GAMMA)),
+        "replaybuf no graphs": no_graphs(lambda: ours.sample_n_step(BATCH, n=N, gamma=GAMMA)),
     }
     log("W2 on the GPU: timing")
     out["w2"] = round_robin(fns, cfg, device)
@@ -258,12 +271,17 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "replaybuf padded torch ops": torch_ops(
             lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN, strict=False)
         ),
+        "replaybuf strict no graphs": no_graphs(lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN)),
+        "replaybuf padded no graphs": no_graphs(
+            lambda: ours.sample_sequences(SEQ_BATCH, SEQ_LEN, strict=False)
+        ),
     }
     out["sequences"] = round_robin(fns, cfg, device)
     out["sequences_syncs"] = {name: host_syncs(fn, device) for name, fn in fns.items()}
     fns = {  # R2D2's length
         "floor": lambda: floor_sequences(LONG_SEQ),
         "replaybuf strict": lambda: ours.sample_sequences(SEQ_BATCH, LONG_SEQ),
+        "replaybuf strict no graphs": no_graphs(lambda: ours.sample_sequences(SEQ_BATCH, LONG_SEQ)),
     }
     out["long_sequences"] = round_robin(fns, cfg, device)
     ours.close()
@@ -294,6 +312,8 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "replaybuf frame_stack=4": built[2].sample,
         "replaybuf torch ops": torch_ops(built[1].sample),
         "replaybuf frame_stack=4 torch ops": torch_ops(built[2].sample),
+        "replaybuf no graphs": no_graphs(built[1].sample),
+        "replaybuf frame_stack=4 no graphs": no_graphs(built[2].sample),
     }
     log("W3 on the GPU: timing")
     out["w3"] = round_robin(fns, cfg, device, calls=max(3, cfg.calls // 4))
@@ -604,6 +624,15 @@ def rows(res: dict[str, Any]) -> list[Row]:
     for kind in ("strict", "padded"):
         seq, name = gpu["sequences"], f"replaybuf {kind}"
         vs(g, f"sequences {kind} fused vs torch ops", seq, name, f"{name} torch ops", None)
+    # Captured graphs (replaybuf.graphs) against the same kernels launched one by one.
+    vs(g, "W2 graphs vs none", gpu["w2"], "replaybuf", "replaybuf no graphs", None)
+    vs(g, "W3 graphs vs none", gpu["w3"], "replaybuf", "replaybuf no graphs", None)
+    vs(g, "W3 frame_stack=4 graphs vs none", gpu["w3"], fs, f"{fs} no graphs", None)
+    for kind in ("strict", "padded"):
+        seq, name = gpu["sequences"], f"replaybuf {kind}"
+        vs(g, f"sequences {kind} graphs vs none", seq, name, f"{name} no graphs", None)
+    long, name = gpu["long_sequences"], "replaybuf strict"
+    vs(g, "sequences(32, 80) graphs vs none", long, name, f"{name} no graphs", None)
     h = "CPU memmap -> GPU"
     vs(h, "W1 sample_batch(256)", host["w1"], "replaybuf memmap", "floor pinned", None)
     vs(h, "W1 pageable floor", host["w1"], "floor pageable", "floor pinned", None)

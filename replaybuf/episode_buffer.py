@@ -22,6 +22,8 @@ from replaybuf import episode_checkpoint, metadata
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
+from replaybuf.graph_batches import graphed_nstep, graphed_sequences
+from replaybuf.graphs import BatchGraphs
 from replaybuf.iterators import epoch_batches, epoch_order
 from replaybuf.prioritized import (
     Prioritizer,
@@ -169,6 +171,7 @@ class SyncEpisodeReplayBuffer:
             self._generator.manual_seed(seed)
         self._closed = False
         self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
+        self._batch_graphs: BatchGraphs | None = None  # made on first use (CUDA storage)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -274,6 +277,13 @@ class SyncEpisodeReplayBuffer:
         core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
 
     # ----------------------------------------------------------------- sampling
+    @property
+    def _graphs(self) -> BatchGraphs:
+        """The captured batch graphs (:mod:`replaybuf.graphs`), made on first use."""
+        if self._batch_graphs is None:
+            self._batch_graphs = BatchGraphs(self.storing_device, self._generator)
+        return self._batch_graphs
+
     def _require_steps(self, what: str) -> None:
         self._check_open()
         have = self._core.valid_steps
@@ -303,6 +313,9 @@ class SyncEpisodeReplayBuffer:
                 return fast
         core = self._core
         if replace and core.priorities is None and not core.anchors.on_host:
+            graphed = graphed_nstep(core, self._graphs, batch_size, n, gamma, self.device)
+            if graphed is not None:  # one replay of the launches below (see replaybuf.graphs)
+                return graphed
             # AnchorSet.sample's draw, the lookup left to the fused kernel (CUDA storage)
             places, table = core.anchors.draw_places(batch_size, self._generator)
             return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
@@ -320,6 +333,12 @@ class SyncEpisodeReplayBuffer:
         seq_len = positive_int(seq_len, "seq_len")
         self._require_steps("sample sequences")
         core = self._core
+        if core.priorities is None and not core.anchors.on_host:
+            graphed = graphed_sequences(
+                core, self._graphs, batch_size, seq_len, strict, self.device
+            )
+            if graphed is not None:
+                return graphed
         start, weight, walk = draw_sequences(core, batch_size, seq_len, strict, self._generator)
         batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
         return with_priority_keys(core, batch, start, weight)
@@ -465,6 +484,8 @@ class SyncEpisodeReplayBuffer:
         """Release storage and remove memmap files. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._batch_graphs is not None:
+                self._batch_graphs.clear()
             self._core.slots.close()
 
     def __enter__(self) -> SyncEpisodeReplayBuffer:

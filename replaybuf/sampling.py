@@ -27,6 +27,7 @@ from replaybuf.fused import nstep_windows as fused_nstep_windows
 from replaybuf.fused import sequences as fused_sequences
 from replaybuf.fused import stack_rows as fused_stack_rows
 from replaybuf.fused import walks as fused_walks
+from replaybuf.graphs import NotCapturable
 from replaybuf.index import (
     END_TERMINATED,
     END_TRUNCATED,
@@ -175,6 +176,28 @@ def nstep_batch(
     ``table``: ``start`` holds places in it (the packed anchor rows, a uniform draw), which the
     fused kernel looks up itself (one gather less).
     """
+    values = nstep_values(core, start, n, gamma, device, generator, table)
+    return build_tensordict(nstep_keys(core), values, start.shape[0], device)
+
+
+def nstep_keys(core: EpisodeCore) -> tuple[Key, ...]:
+    """The keys of the core's n-step batches, in :func:`nstep_values`' order."""
+    return _nstep_keys(_keys(core, "observation"), _keys(core, "action", "extras"))
+
+
+def nstep_values(
+    core: EpisodeCore,
+    start: torch.Tensor,
+    n: NArg,
+    gamma: float,
+    device: torch.device,
+    generator: torch.Generator,
+    table: torch.Tensor | None = None,
+    fused_only: bool = False,
+) -> list[torch.Tensor]:
+    """:func:`nstep_batch`'s values, in :func:`nstep_keys`' order. ``fused_only`` (a graph's
+    capture): raise :class:`~replaybuf.graphs.NotCapturable` where the fused kernel declines
+    (the torch ops' jump tables and caches are rebuilt outside any graph)."""
     batch = start.shape[0]
     if isinstance(n, tuple):
         low, high = n
@@ -184,14 +207,13 @@ def nstep_batch(
         n_max = high
     else:
         n_each = n_max = n
-    ends, info, stacks = _window_values(core, start, n_each, n_max, gamma, table)
+    ends, info, stacks = _window_values(core, start, n_each, n_max, gamma, table, fused_only)
     if table is not None:  # the anchor rows, looked up where start held places in table
         start = _tensor(ends)[:batch]
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
-    keys = _nstep_keys(obs_keys, step_keys)
     values = _host_nstep_values(core, start, ends, info, obs_keys, step_keys, batch, device)
     if values is not None:
-        return build_tensordict(keys, values, batch, device)
+        return values
     slots = core.slots
     if core.frame_stack is None:
         parts: list[Part] = [(slots.column(key), _tensor(ends)) for key in obs_keys]
@@ -204,8 +226,7 @@ def nstep_batch(
     values = []
     for _, both in zip(obs_keys, delivered):  # noqa: B905 (a prefix of delivered)
         values += [both[:batch], both[batch:]]
-    values += delivered
-    return build_tensordict(keys, values, batch, device)
+    return values + list(delivered)
 
 
 @functools.lru_cache(maxsize=64)
@@ -387,6 +408,7 @@ def _window_values(
     n_max: int,
     gamma: float,
     table: torch.Tensor | None = None,
+    fused_only: bool = False,
 ) -> tuple[Values, list[Values], tuple[torch.Tensor, torch.Tensor] | None]:
     """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends),
     its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``, and the frame
@@ -426,6 +448,8 @@ def _window_values(
         )
         if fused is not None:  # one launch for the ops below (CUDA storage, Triton installed)
             return fused
+        if fused_only:
+            raise NotCapturable("the fused n-step kernel does not apply")
         if table is not None:
             start = table.index_select(0, start)
         w = nstep_windows(start, n_each, n_max, links.succ, links.end_kind)
@@ -474,6 +498,19 @@ def sequence_batch(
     :func:`_stacked_observations`): TensorDict reshapes, ``apply`` and ``set`` cost more than
     the gathers themselves here (and on CUDA their Python time is what the learner waits for).
     """
+    keys, values = sequence_values(core, start, length, device, walk, full)
+    return build_tensordict(keys, values, (start.shape[0], length), device)
+
+
+def sequence_values(
+    core: EpisodeCore,
+    start: torch.Tensor,
+    length: int,
+    device: torch.device,
+    walk: Walk | None = None,
+    full: bool = False,
+) -> tuple[list[Key], list[torch.Tensor]]:
+    """:func:`sequence_batch`'s keys and values (``[B, length, ...]`` each), in its order."""
     walk = walk or _walk(core, start, length, full)
     padded = not full and _padded(walk.mask)
     slots = core.slots
@@ -538,7 +575,7 @@ def sequence_batch(
     ends = [(("terminal",), terminal), (("truncated",), truncated)]
     ids = [(("step",), step_id), (("episode_id",), episode_id)]
     keys, values = zip(*now, *acted, *after, *ends, *ids, *extras, (("mask",), mask), strict=True)
-    return build_tensordict(list(keys), list(values), (batch, length), device)
+    return list(keys), list(values)
 
 
 def _padded(mask: torch.Tensor) -> bool:
@@ -750,10 +787,24 @@ def _fused_draw(
     assert walk.found is not None, "the kernel's walks say which slots found a start"
     if walk.found.cpu().numpy().all():  # the one host synchronisation of a strict draw
         return walk
-    missing = ~walk.found
-    start = walk.start.clone()
+    return redraw_missing(core, walk.start, walk.found, length, generator)
+
+
+def redraw_missing(
+    core: EpisodeCore,
+    start: torch.Tensor,
+    found: torch.Tensor,
+    length: int,
+    generator: torch.Generator,
+) -> Walk:
+    """The fused kernel's strict walk completed: the slots whose tries all fell short
+    (``found`` False) drawn again by :func:`sample_sequence_starts`, and every slot walked."""
+    missing = ~found
+    start = start.clone()
     start[missing] = sample_sequence_starts(core, int(missing.sum()), length, generator)
-    return fused_sequences(start.unsqueeze(1), None, length, core.links, strict=False)
+    walk = fused_sequences(start.unsqueeze(1), None, length, core.links, strict=False)
+    assert walk is not None, "the kernel that drew these starts walks them"
+    return walk
 
 
 def sample_sequence_starts(

@@ -497,6 +497,10 @@ class SlotStorage:
         """The whole stored column of one field (a view; the caller must not write into it)."""
         return self._columns[key]
 
+    def columns(self) -> list[torch.Tensor]:
+        """Every stored field's column (what a captured graph reads; see replaybuf.graphs)."""
+        return [column for _, column in self._leaves]
+
     def host_view(self, key: Key) -> np.ndarray | None:
         """The column of ``key`` as a numpy view (the caller must not write into it), or None
         where the storage is not on the CPU or numpy lacks the dtype."""

@@ -1,0 +1,117 @@
+"""Uniform n-step and sequence batches from CUDA storage as replays of captured graphs.
+
+The batches are :func:`replaybuf.sampling.nstep_batch`'s and
+:func:`replaybuf.sampling.sequence_batch`'s, with the fused kernels' walks (the torch ops they
+replace read jump tables rebuilt outside any graph, so they are never captured); only the draw
+differs: :meth:`replaybuf.graphs.BatchGraphs.draw` reads the anchor count on the device, where
+:meth:`replaybuf.anchors.AnchorSet.draw_places` reads it on the host. Both are uniform; a seed
+gives other batches with graphs than without.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from replaybuf.episodes import EpisodeCore
+from replaybuf.fused import sequences as fused_sequences
+from replaybuf.fused import walks as fused_walks
+from replaybuf.graphs import BatchGraphs, NotCapturable
+from replaybuf.nstep import discount_powers, torch_reward_powers
+from replaybuf.sampling import (
+    STRICT_TRIES,
+    NArg,
+    nstep_keys,
+    nstep_values,
+    redraw_missing,
+    sequence_batch,
+    sequence_values,
+)
+from replaybuf.storage import build_tensordict
+
+_LINKS = ("succ", "end_kind", "step", "episode", "prev_row")  # what the walks read
+
+
+def graphed_nstep(
+    core: EpisodeCore,
+    graphs: BatchGraphs,
+    batch_size: int,
+    n: NArg,
+    gamma: float,
+    device: torch.device,
+) -> TensorDict | None:
+    """A uniform n-step batch by a graph's replay, or None where graphs do not apply (see
+    :func:`_table`) or this key is not captured (yet)."""
+    table = _table(core, graphs, device)
+    if table is None:
+        return None
+    n_max = n[1] if isinstance(n, tuple) else n
+    reward = core.slots.column(("reward",))
+    powers = (
+        discount_powers(gamma, n_max, table.device),
+        torch_reward_powers(gamma, n_max, reward.dtype, table.device),
+    )  # read by the kernel: kept alive with the graph (their caches may drop them)
+
+    def build() -> tuple[None, list[torch.Tensor]]:
+        places = graphs.draw((batch_size,))
+        generator = graphs.generator  # the random n's draws
+        return None, nstep_values(core, places, n, gamma, device, generator, table, True)
+
+    key = ("n_step", batch_size, n, float(gamma))
+    out = graphs.run(key, [*_inputs(core, table), *powers], core.anchors.count, build)
+    if out is None:
+        return None
+    return build_tensordict(nstep_keys(core), out[1], batch_size, device)
+
+
+def graphed_sequences(
+    core: EpisodeCore,
+    graphs: BatchGraphs,
+    batch_size: int,
+    length: int,
+    strict: bool,
+    device: torch.device,
+) -> TensorDict | None:
+    """A uniform sequence batch by a graph's replay (strict: the fused kernel's draw of
+    ``STRICT_TRIES`` candidates per slot, and one host synchronisation that reads whether
+    every slot found a start), or None as :func:`graphed_nstep`."""
+    table = _table(core, graphs, device)
+    if table is None:
+        return None
+    tries = STRICT_TRIES if strict else 1
+
+    def build() -> tuple[list, list[torch.Tensor]]:
+        walk = fused_sequences(graphs.draw((batch_size, tries)), table, length, core.links, strict)
+        if walk is None:
+            raise NotCapturable("the fused sequence kernel does not apply")
+        assert walk.found is not None, "the kernel's walks say which slots found a start"
+        keys, values = sequence_values(core, walk.start, length, device, walk, full=strict)
+        return keys, [*values, walk.start, walk.found]
+
+    key = ("sequences", batch_size, length, strict)
+    out = graphs.run(key, _inputs(core, table), core.anchors.count, build)
+    if out is None:
+        return None
+    keys, (*values, start, found) = out
+    if strict and not found.cpu().numpy().all():  # the one host synchronisation
+        walk = redraw_missing(core, start, found, length, graphs.generator)
+        return sequence_batch(core, walk.start, length, device, walk, full=True)
+    return build_tensordict(keys, values, (batch_size, length), device)
+
+
+def _table(core: EpisodeCore, graphs: BatchGraphs, device: torch.device) -> torch.Tensor | None:
+    """The packed anchor rows, brought up to date, where a graph may serve the batch: CUDA
+    storage delivering on its own device, uniform draws, the fused kernels running there."""
+    if not graphs.enabled(device) or device != core.slots.storing_device:
+        return None
+    if core.priorities is not None or core.links.host is not None or core.anchors.on_host:
+        return None
+    table = core.anchors.rows  # publishes pending anchor writes (never inside a capture)
+    return table if fused_walks(core.links, table) else None
+
+
+def _inputs(core: EpisodeCore, table: torch.Tensor) -> list[torch.Tensor]:
+    """What the graphs read outside themselves: the anchor table, the row links (brought up
+    to date here, so that no capture records their copy) and the stored columns."""
+    links = [core.links.column(name) for name in _LINKS]
+    return [table, *(column for column in links if column is not None), *core.slots.columns()]

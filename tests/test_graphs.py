@@ -1,0 +1,353 @@
+"""Captured batch graphs (:mod:`replaybuf.graphs`, :mod:`replaybuf.graph_batches`).
+
+On the CPU a stand-in capture (:func:`fake_capture`: a replay runs the build again and writes
+its outputs into the static packed tensors, as a CUDA replay does) checks the cache: when a
+key is captured, that replays hand out fresh copies, that moved inputs are captured again, the
+LRU limit, failed keys, the packing of every dtype and the device-count draw. On a GPU real
+graphs serve random programs' batches, checked against the reference model after every
+operation (appends, ends and evictions between replays), on the default stream and another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+from episode_program import Program
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from test_cuda import Arrived
+
+import replaybuf.graphs as graphs
+from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.graphs import CAPTURE_AT, LIMIT, BatchGraphs, NotCapturable
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+class FakeGraph:
+    """A CPU stand-in for a captured graph: a replay runs the build again and copies its
+    outputs into the entry's static packed tensors."""
+
+    def __init__(self, build: graphs.Build, packed: list[torch.Tensor]) -> None:
+        self.build, self.packed = build, packed
+        self.replays = 0
+        self.was_reset = False
+
+    def replay(self) -> None:
+        fresh, _, _ = graphs._pack(self.build()[1])
+        for static, new in zip(self.packed, fresh, strict=True):
+            static.copy_(new)
+        self.replays += 1
+
+    def reset(self) -> None:
+        self.was_reset = True
+
+
+def fake_capture(device, generator, build, inputs, signature) -> graphs._Entry:
+    meta, outputs = build()
+    packed, sizes, layout = graphs._pack(outputs)
+    return graphs._Entry(FakeGraph(build, packed), inputs, signature, meta, packed, sizes, layout)
+
+
+@pytest.fixture
+def cache() -> Iterator[BatchGraphs]:
+    with mock.patch.object(graphs, "_capture", fake_capture):
+        yield BatchGraphs(torch.device("cpu"), torch.Generator().manual_seed(0))
+
+
+class Source:
+    """A build over one input tensor that counts its runs."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self.builds = 0
+
+    def __call__(self) -> tuple[str, list[torch.Tensor]]:
+        self.builds += 1
+        v = self.values
+        return "meta", [v * 2, v > 0, v.to(torch.uint8), v.long().view(-1, 1)]
+
+
+def test_a_key_is_captured_at_its_third_ask_then_replayed_on_current_inputs(cache):
+    source = Source(torch.arange(4.0))
+    for _ in range(CAPTURE_AT - 1):
+        assert cache.run("k", [source.values], 5, source) is None
+    assert source.builds == 0  # asked, not captured: the caller did the work
+    meta, values = cache.run("k", [source.values], 5, source)
+    assert meta == "meta"
+    assert source.builds == 1
+    assert values[0].tolist() == [0.0, 2.0, 4.0, 6.0]
+    source.values.copy_(torch.tensor([3.0, -1.0, 0.0, 1.0]))  # written in place: same input
+    _, values = cache.run("k", [source.values], 5, source)
+    assert cache._entries["k"].graph.replays == 1
+    assert values[0].tolist() == [6.0, -2.0, 0.0, 2.0]
+    assert values[1].tolist() == [True, False, False, True]
+    assert values[1].dtype == torch.bool
+    assert values[3].shape == (4, 1)
+    assert int(cache.count) == 5
+
+
+def test_replays_hand_out_fresh_copies_that_later_replays_leave_alone(cache):
+    source = Source(torch.arange(6.0))
+    for _ in range(CAPTURE_AT):
+        cache.run("k", [source.values], 1, source)
+    _, kept = cache.run("k", [source.values], 1, source)
+    copies = [v.clone() for v in kept]
+    kept[0].fill_(-7.0)  # the caller writes into its batch: another field must not change
+    assert torch.equal(kept[3], copies[3])
+    assert torch.equal(kept[2], copies[2])
+    source.values.add_(10.0)
+    _, later = cache.run("k", [source.values], 1, source)
+    assert later[0].tolist() == [20.0, 22.0, 24.0, 26.0, 28.0, 30.0]
+    assert (kept[0] == -7.0).all()  # untouched by the replay
+    assert all(torch.equal(a, b) for a, b in zip(kept[1:], copies[1:], strict=True))
+    packed = {t.untyped_storage().data_ptr() for t in cache._entries["k"].packed}
+    assert not packed & {v.untyped_storage().data_ptr() for v in later}
+
+
+def test_an_input_that_moved_is_captured_again_at_once(cache):
+    source = Source(torch.arange(3.0))
+    for _ in range(CAPTURE_AT):
+        cache.run("k", [source.values], 1, source)
+    old = cache._entries["k"]
+    moved = Source(torch.tensor([5.0, 6.0, 7.0]))  # a reallocated column
+    _, values = cache.run("k", [moved.values], 1, moved)
+    assert old.graph.was_reset
+    assert cache._entries["k"] is not old
+    assert moved.builds == 1
+    assert values[0].tolist() == [10.0, 12.0, 14.0]
+    assert cache._entries["k"].inputs[0] is moved.values  # kept alive with its graph
+
+
+def test_at_most_limit_graphs_are_kept_least_recently_used_dropped(cache):
+    source = Source(torch.arange(2.0))
+    keys = list(range(LIMIT + 1))
+    for key in keys[:LIMIT]:
+        for _ in range(CAPTURE_AT):
+            cache.run(key, [source.values], 1, source)
+    first = cache._entries[0]
+    cache.run(0, [source.values], 1, source)  # key 0 used last: key 1 goes next
+    for _ in range(CAPTURE_AT):
+        cache.run(keys[-1], [source.values], 1, source)
+    assert len(cache._entries) == LIMIT
+    assert 1 not in cache._entries
+    assert 0 in cache._entries
+    assert not first.graph.was_reset
+    cache.clear()
+    assert not cache._entries
+    assert first.graph.was_reset
+
+
+def test_a_key_that_cannot_be_captured_is_never_tried_again(cache):
+    calls = []
+
+    def build() -> tuple[None, list[torch.Tensor]]:
+        calls.append(1)
+        raise NotCapturable("reads the host")
+
+    for _ in range(CAPTURE_AT + 3):
+        assert cache.run("k", [], 1, build) is None
+    assert len(calls) == 1
+    assert "k" in cache._failed
+
+
+def test_outputs_past_the_byte_limit_are_not_graphed():
+    # The real capture's first step (the build outside the graph) sizes the outputs.
+    device = torch.device("cpu")
+    big = torch.zeros(graphs.MAX_BYTES // 8 + 1, dtype=torch.long)
+    with (
+        mock.patch.object(graphs.torch.cuda, "current_stream"),
+        mock.patch.object(graphs.torch.cuda, "Stream"),
+        mock.patch.object(graphs.torch.cuda, "stream"),
+    ):
+        cache = BatchGraphs(device, torch.Generator())
+        for _ in range(CAPTURE_AT):
+            assert cache.run("k", [], 1, lambda: (None, [big])) is None
+    assert "k" in cache._failed
+    assert not cache._entries
+
+
+dtypes = st.sampled_from(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16,
+     torch.int32, torch.float32, torch.int64, torch.float64, torch.complex64, torch.complex128]
+)  # fmt: skip
+shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(fields=st.lists(st.tuples(dtypes, shapes, st.booleans()), min_size=1, max_size=7))
+def test_packing_round_trips_every_dtype_shape_and_layout(fields):
+    g = torch.Generator().manual_seed(len(fields))
+    outputs = []
+    for dtype, shape, transposed in fields:
+        value = (torch.randn(shape, generator=g) * 50).to(dtype)
+        if transposed and value.dim() >= 2:
+            value = value.transpose(0, 1)  # not contiguous: packed all the same
+        outputs.append(value)
+    packed, sizes, layout = graphs._pack(outputs)
+    assert len(packed) == len({v.element_size() for v in outputs})
+    entry = graphs._Entry(None, (), (), None, packed, sizes, layout)
+    for got, want in zip(graphs._unpack(entry), outputs, strict=True):
+        assert got.dtype == want.dtype
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_the_device_count_draw_is_uniform_over_the_count():
+    cache = BatchGraphs(torch.device("cpu"), torch.Generator().manual_seed(3))
+    cache.count.fill_(7)  # as run writes it before a replay
+    draws = cache.draw((7_000,))
+    assert draws.dtype == torch.long
+    assert draws.min() >= 0
+    assert draws.max() < 7
+    counts = Counter(draws.tolist())
+    assert chisquare([counts[i] for i in range(7)]).pvalue > 1e-4
+    cache.count.fill_(2)
+    assert set(cache.draw((500,)).tolist()) == {0, 1}
+
+
+def test_graphs_are_only_for_cuda_and_can_be_switched_off():
+    assert not BatchGraphs.enabled(torch.device("cpu"))
+    assert BatchGraphs.enabled(torch.device("cuda"))
+    with mock.patch.dict(os.environ, {graphs.GRAPHS_ENV: "0"}):
+        assert not BatchGraphs.enabled(torch.device("cuda"))
+
+
+# --------------------------------------------------------------------------- on a GPU
+def program(frame_stack: int | None = None, max_steps: int = 60) -> Program:
+    buf = SyncEpisodeReplayBuffer(
+        max_steps, device="cuda", storing_device="cuda", storage="tensor", seed=0,
+        frame_stack=frame_stack,
+    )  # fmt: skip
+    return Program(Arrived(buf))  # type: ignore[arg-type]
+
+
+def rounds(p: Program, count: int) -> None:
+    """``count`` rounds of appends, ends and starts (evicting past max_steps), each followed
+    by replays of every graphed batch kind, each checked against the reference."""
+    for r in range(count):
+        p.append_batch([0, 1, 2], 3)
+        p.append(r, 2)
+        if r % 3 == 2:
+            p.end(r, "terminated" if r % 2 else "truncated")
+            p.start("a")
+        p.check()
+        for _ in range(2):
+            p.sample(3, 0.9)
+            p.sample((1, 3), 0.5)
+            p.sample(1, 0.99)
+            p.sequences(4, True)
+            p.sequences(4, False)
+            p.sequences(9, True)  # few starts qualify: redrawn slots, or the error
+
+
+def graph_keys(p: Program) -> set:
+    entries = p.buf._buf._batch_graphs._entries
+    return set(entries)
+
+
+@pytest.mark.parametrize("frame_stack", [None, 3])
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_batches_agree_with_the_reference(frame_stack):
+    p = program(frame_stack)
+    with p.buf._buf:
+        rounds(p, 10)
+        keys = graph_keys(p)
+        assert ("n_step", 16, 3, 0.9) in keys
+        assert ("n_step", 16, (1, 3), 0.5) in keys
+        assert ("sequences", 6, 4, True) in keys
+        assert ("sequences", 6, 4, False) in keys
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_batches_agree_with_the_reference_on_another_stream():
+    p = program()
+    with p.buf._buf:
+        rounds(p, 3)  # captured on the default stream
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            rounds(p, 3)
+        rounds(p, 2)
+        assert ("n_step", 16, 3, 0.9) in graph_keys(p)
+
+
+def filled(capacity: int = 500) -> SyncEpisodeReplayBuffer:
+    p = program(max_steps=capacity)
+    rounds(p, 4)
+    return p.buf._buf
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_batches_kept_by_the_caller_never_change():
+    with filled() as buf:
+        for call in (lambda: buf.sample_n_step(32, 3), lambda: buf.sample_sequences(8, 4)):
+            kept = [call() for _ in range(CAPTURE_AT + 1)]
+            copies = [b.clone() for b in kept]
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+            for b, c in zip(kept, copies, strict=True):
+                assert (b == c).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_draws_are_uniform_over_the_valid_steps():
+    buf = SyncEpisodeReplayBuffer(
+        100, device="cuda", storing_device="cuda", storage="tensor", seed=1
+    )
+    with buf:
+        for e, length in enumerate([5, 9, 13]):
+            eid = buf.start_episode()
+            for t in range(length):
+                buf.append_observation_action_reward(eid, torch.tensor([e, t]), 0, 0.0)
+            buf.end_episode(eid, "terminated", torch.tensor([e, length]))
+        counts: Counter = Counter()
+        for _ in range(200):
+            batch = buf.sample_n_step(64, 1)
+            counts.update(
+                zip(batch["episode_id"].tolist(), batch["start_step"].tolist(), strict=True)
+            )
+        assert ("n_step", 64, 1, 0.99) in buf._batch_graphs._entries
+        assert len(counts) == 27
+        assert chisquare(list(counts.values())).pvalue > 1e-4
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_batches_never_wait_for_the_gpu():
+    with filled() as buf:
+        calls = [
+            lambda: buf.sample_n_step(32, 3),
+            lambda: buf.sample_n_step(32, (1, 3)),
+            lambda: buf.sample_sequences(8, 4, strict=False),
+        ]
+        for call in calls:
+            for _ in range(CAPTURE_AT):
+                call()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_switched_off_capture_nothing():
+    with mock.patch.dict(os.environ, {graphs.GRAPHS_ENV: "0"}), filled() as buf:
+        for _ in range(CAPTURE_AT + 2):
+            buf.sample_n_step(32, 3)
+            buf.sample_sequences(8, 4)
+        assert not buf._batch_graphs or not buf._batch_graphs._entries
