@@ -172,6 +172,8 @@ class SyncEpisodeReplayBuffer:
         self._closed = False
         self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
         self._batch_graphs: BatchGraphs | None = None  # made on first use (CUDA storage)
+        # The graphs' draw key (replaybuf.graphs): from the seed, apart from the generator's.
+        self._graph_seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0] >> 1)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -281,7 +283,7 @@ class SyncEpisodeReplayBuffer:
     def _graphs(self) -> BatchGraphs:
         """The captured batch graphs (:mod:`replaybuf.graphs`), made on first use."""
         if self._batch_graphs is None:
-            self._batch_graphs = BatchGraphs(self.storing_device, self._generator)
+            self._batch_graphs = BatchGraphs(self.storing_device, self._graph_seed)
         return self._batch_graphs
 
     def _require_steps(self, what: str) -> None:
@@ -335,7 +337,7 @@ class SyncEpisodeReplayBuffer:
         core = self._core
         if core.priorities is None and not core.anchors.on_host:
             graphed = graphed_sequences(
-                core, self._graphs, batch_size, seq_len, strict, self.device
+                core, self._graphs, batch_size, seq_len, strict, self.device, self._generator
             )
             if graphed is not None:
                 return graphed

@@ -20,6 +20,7 @@ No ``from __future__ import annotations`` here: Triton reads the kernels' annota
 
 import contextlib
 import functools
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -161,51 +162,60 @@ if triton is not None:  # the kernel's annotations need Triton
     ):
         """Per slot: its start (``draw`` itself, or ``table[draw]`` with PICK; STRICT: the first
         of its TRIES draws with ``length`` steps ahead), then the walk of ``length`` links with
-        what a sequence batch reads of it (index.sequence_rows, padded past the episode end)."""
+        what a sequence batch reads of it (index.sequence_rows, padded past the episode end).
+        Each try writes its walk while the slot has found no start: a slot whose first draw
+        qualifies (the common case) is walked once."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < batch
         start = tl.zeros([BLOCK], tl.int64)
         found = i < 0  # all False
-        for t in range(0, TRIES):
-            candidate = tl.load(draw_ptr + i * TRIES + t, mask=live, other=0)
-            if PICK:
-                candidate = tl.load(table_ptr + candidate, mask=live, other=0)
-            if STRICT:  # index.full_sequence_starts: the walk still moves at its last step
-                row = candidate
-                moved = live
-                for _ in range(0, length):
-                    after = tl.load(succ_ptr + row, mask=live & ~found, other=0)
-                    moved = after != row
-                    row = after
-                take = live & ~found & (moved | (t == TRIES - 1))  # the last try holds a place
-                found = found | (live & moved)
-            else:
-                take = live
-                found = live
-            start = tl.where(take, candidate, start)
         width = length + 1
-        row = start
-        episode = tl.load(episode_ptr + start, mask=live, other=0)
-        tl.store(rows_ptr + i * width, row, mask=live)
         cells = batch * length  # each output plane is [batch, length]
-        for k in range(0, length):
-            after = tl.load(succ_ptr + row, mask=live, other=0)
-            real = after != row  # False past the episode's last stored row (a self-loop)
-            kind = tl.load(kind_ptr + after, mask=live, other=0)
-            step = tl.load(step_ptr + row, mask=live, other=0)
-            at = i * length + k
-            tl.store(rows_ptr + i * width + k + 1, after, mask=live)
-            tl.store(ints_ptr + at, row, mask=live)  # the step's own row
-            tl.store(ints_ptr + cells + at, after, mask=live)  # its next observation's
-            tl.store(ints_ptr + 2 * cells + at, tl.where(real, step, -1), mask=live)
-            tl.store(ints_ptr + 3 * cells + at, tl.where(real, episode, -1), mask=live)
-            tl.store(flags_ptr + at, real.to(tl.uint8), mask=live)
-            tl.store(flags_ptr + cells + at, (~real).to(tl.uint8), mask=live)
-            tl.store(flags_ptr + 2 * cells + at, (real & (kind == 1)).to(tl.uint8), mask=live)
-            tl.store(flags_ptr + 3 * cells + at, (real & (kind == 2)).to(tl.uint8), mask=live)
-            row = after
+        for t in range(0, TRIES):
+            todo = live & ~found
+            candidate = tl.load(draw_ptr + i * TRIES + t, mask=todo, other=0)
+            if PICK:
+                candidate = tl.load(table_ptr + candidate, mask=todo, other=0)
+            start = tl.where(todo, candidate, start)  # the last try holds a place
+            row = candidate
+            episode = tl.load(episode_ptr + row, mask=todo, other=0)
+            tl.store(rows_ptr + i * width, row, mask=todo)
+            real = todo
+            for k in range(0, length):
+                after = tl.load(succ_ptr + row, mask=todo, other=0)
+                real = after != row  # False past the episode's last stored row (a self-loop)
+                kind = tl.load(kind_ptr + after, mask=todo, other=0)
+                step = tl.load(step_ptr + row, mask=todo, other=0)
+                at = i * length + k
+                tl.store(rows_ptr + i * width + k + 1, after, mask=todo)
+                tl.store(ints_ptr + at, row, mask=todo)  # the step's own row
+                tl.store(ints_ptr + cells + at, after, mask=todo)  # its next observation's
+                tl.store(ints_ptr + 2 * cells + at, tl.where(real, step, -1), mask=todo)
+                tl.store(ints_ptr + 3 * cells + at, tl.where(real, episode, -1), mask=todo)
+                tl.store(flags_ptr + at, real.to(tl.uint8), mask=todo)
+                tl.store(flags_ptr + cells + at, (~real).to(tl.uint8), mask=todo)
+                tl.store(flags_ptr + 2 * cells + at, (real & (kind == 1)).to(tl.uint8), mask=todo)
+                tl.store(flags_ptr + 3 * cells + at, (real & (kind == 2)).to(tl.uint8), mask=todo)
+                row = after
+            # STRICT: index.full_sequence_starts, the walk still moved at its last step
+            found = found | (todo & real) if STRICT else live
         tl.store(flags_ptr + 4 * cells + i, found.to(tl.uint8), mask=live)
         tl.store(ints_ptr + 4 * cells + i, start, mask=live)
+
+    @triton.jit
+    def _draw_kernel(rounds_ptr, count_ptr, out_ptr, total, seed, BLOCK: tl.constexpr):
+        """Per slot: Philox's 64 bits for (slot, round) under ``seed`` modulo the count, both
+        read on the device (the round is the number of draws before this one)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < total
+        round_ = tl.load(rounds_ptr)
+        count = tl.load(count_ptr).to(tl.uint64)
+        zero = i.to(tl.uint32) * 0
+        low = zero + round_.to(tl.uint32)
+        high = zero + (round_ >> 32).to(tl.uint32)
+        a, b, _, _ = tl.philox(seed, i.to(tl.uint32), low, high, zero)
+        bits = a.to(tl.uint64) | (b.to(tl.uint64) << 32)
+        tl.store(out_ptr + i, (bits % count).to(tl.int64), mask=live)
 
 
 def nstep_windows(
@@ -346,6 +356,28 @@ def sequences(
     return Walk(
         start, rows, step_rows, next_rows, mask, pad, terminal, truncated, step, episode, found
     )
+
+
+def draw(
+    rounds: torch.Tensor, count: torch.Tensor, shape: tuple[int, ...], seed: int
+) -> torch.Tensor | None:
+    """``shape`` uniform draws in ``[0, count)`` with the count read on the device (``count``
+    and ``rounds``: int64 device scalars): Philox's 64 bits for (slot, ``rounds``) under
+    ``seed``, modulo the count (a bias under count / 2^64). The caller advances ``rounds``
+    after each draw; nothing is read or written on the host, so a CUDA graph can replay it
+    (replaybuf.graphs). None where the kernel does not run (as :func:`nstep_windows`)."""
+    if not _runs_on(count) or not _long_columns(rounds, count):
+        return None
+    total = math.prod(shape)
+    if not _int32_offsets(total):
+        return None
+    out = torch.empty(shape, dtype=torch.long, device=count.device)
+    if total:
+        with _current(count.device):
+            _draw_kernel[(triton_cdiv(total, BLOCK),)](
+                rounds, count, out, total, seed, BLOCK=BLOCK
+            )  # fmt: skip
+    return out
 
 
 def _int32_offsets(cells: int) -> bool:

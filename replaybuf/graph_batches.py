@@ -3,9 +3,11 @@
 The batches are :func:`replaybuf.sampling.nstep_batch`'s and
 :func:`replaybuf.sampling.sequence_batch`'s, with the fused kernels' walks (the torch ops they
 replace read jump tables rebuilt outside any graph, so they are never captured); only the draw
-differs: :meth:`replaybuf.graphs.BatchGraphs.draw` reads the anchor count on the device, where
-:meth:`replaybuf.anchors.AnchorSet.draw_places` reads it on the host. Both are uniform; a seed
-gives other batches with graphs than without.
+differs: :meth:`replaybuf.graphs.BatchGraphs.draw` draws Philox bits on the device against the
+anchor count there, where :meth:`replaybuf.anchors.AnchorSet.draw_places` draws from the
+buffer's torch generator against the count on the host. Both are uniform; a seed gives other
+batches with graphs than without. A random n (``n=(low, high)``) is not graphed: its draw
+takes the torch generator.
 """
 
 from __future__ import annotations
@@ -42,20 +44,18 @@ def graphed_nstep(
 ) -> TensorDict | None:
     """A uniform n-step batch by a graph's replay, or None where graphs do not apply (see
     :func:`_table`) or this key is not captured (yet)."""
-    table = _table(core, graphs, device)
+    table = None if isinstance(n, tuple) else _table(core, graphs, device)
     if table is None:
         return None
-    n_max = n[1] if isinstance(n, tuple) else n
     reward = core.slots.column(("reward",))
     powers = (
-        discount_powers(gamma, n_max, table.device),
-        torch_reward_powers(gamma, n_max, reward.dtype, table.device),
+        discount_powers(gamma, n, table.device),
+        torch_reward_powers(gamma, n, reward.dtype, table.device),
     )  # read by the kernel: kept alive with the graph (their caches may drop them)
 
     def build() -> tuple[None, list[torch.Tensor]]:
         places = graphs.draw((batch_size,))
-        generator = graphs.generator  # the random n's draws
-        return None, nstep_values(core, places, n, gamma, device, generator, table, True)
+        return None, nstep_values(core, places, n, gamma, device, None, table, True)
 
     key = ("n_step", batch_size, n, float(gamma))
     out = graphs.run(key, [*_inputs(core, table), *powers], core.anchors.count, build)
@@ -71,10 +71,12 @@ def graphed_sequences(
     length: int,
     strict: bool,
     device: torch.device,
+    generator: torch.Generator,
 ) -> TensorDict | None:
     """A uniform sequence batch by a graph's replay (strict: the fused kernel's draw of
     ``STRICT_TRIES`` candidates per slot, and one host synchronisation that reads whether
-    every slot found a start), or None as :func:`graphed_nstep`."""
+    every slot found a start; ``generator`` redraws a slot that found none), or None as
+    :func:`graphed_nstep`."""
     table = _table(core, graphs, device)
     if table is None:
         return None
@@ -93,10 +95,14 @@ def graphed_sequences(
     if out is None:
         return None
     keys, (*values, start, found) = out
-    if strict and not found.cpu().numpy().all():  # the one host synchronisation
-        walk = redraw_missing(core, start, found, length, graphs.generator)
+    batch = build_tensordict(keys, values, (batch_size, length), device)
+    # Strict: the one host synchronisation, after the host's work on the batch (which overlaps
+    # the GPU's); the rare slot with no start in its tries makes the batch again, its slots
+    # redrawn (so exact), the others kept.
+    if strict and not found.cpu().numpy().all():
+        walk = redraw_missing(core, start, found, length, generator)
         return sequence_batch(core, walk.start, length, device, walk, full=True)
-    return build_tensordict(keys, values, (batch_size, length), device)
+    return batch
 
 
 def _table(core: EpisodeCore, graphs: BatchGraphs, device: torch.device) -> torch.Tensor | None:

@@ -13,11 +13,14 @@ What a replay must not get wrong, and how it does not:
   at their addresses. The caller names them (``inputs``); an entry keeps them alive (no read
   after free) and a replay whose inputs moved (a reallocation, a restore) captures again.
 - What changes between batches is read on the device: the anchor count is a device scalar,
-  rewritten in stream order when it changed, and the draws come from the buffer's own
-  generator, registered with the graph (each replay advances it).
+  rewritten in stream order when it changed, and the draws are Philox bits for (slot, round)
+  under the buffer's seed (:func:`replaybuf.fused.draw`), where the round is a device counter
+  the graph itself advances. A replay writes nothing from the host (a torch generator in a
+  graph costs two launches per replay, for its seed and offset).
 - Its outputs are static buffers that every replay rewrites. The graph packs them into one
-  flat tensor per element size, which is cloned after the replay (one copy each); the values
-  handed out are views of the clones, so a batch the caller keeps never changes.
+  byte buffer (each dtype's outputs together, aligned), which is cloned after the replay (one
+  copy); the values handed out are views of the clone, so a batch the caller keeps never
+  changes.
 - A key is captured the third time it is asked for (a one-off batch size never pays for a
   capture), at most :data:`LIMIT` graphs are kept (least recently used dropped), and a key whose
   capture failed (an op that cannot be captured) is never tried again.
@@ -36,15 +39,20 @@ from typing import Any
 
 import torch
 
+from replaybuf import fused
+
 GRAPHS_ENV = "REPLAYBUF_CUDA_GRAPHS"  # "0": never capture
 CAPTURE_AT = 3  # a key is captured the time it is asked for
 LIMIT = 8  # graphs kept per buffer
 # Batches above this many bytes run uncaptured: the launches a graph saves weigh nothing
 # beside their copies, and a graph holds its outputs twice (static and packed).
 MAX_BYTES = 64 << 20
-_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ALIGN = 16  # bytes: each dtype's part of the packed buffer starts at a multiple of this
 
 Build = Callable[[], tuple[Any, list[torch.Tensor]]]  # (meta, outputs) of one batch
+# Where each dtype's outputs lie in the packed bytes: (dtype, first byte, end byte, the
+# outputs' sizes in elements, their shapes, their places in the output list).
+Part = tuple[torch.dtype, int, int, list[int], list[torch.Size], list[int]]
 
 
 class NotCapturable(Exception):
@@ -57,19 +65,20 @@ class _Entry:
     inputs: tuple[torch.Tensor, ...]  # kept alive: the graph reads them
     signature: tuple[int, ...]
     meta: Any
-    packed: list[torch.Tensor]  # the static flat outputs, one per element size
-    sizes: list[list[int]]  # each packed tensor's pieces, in elements
-    layout: list[tuple[int, int, torch.dtype, torch.Size]]  # per output: pack, piece, dtype, shape
+    packed: torch.Tensor  # the static outputs' bytes (uint8)
+    parts: list[Part]
+    outputs: int  # how many
     stream: int | None = None  # the stream of the last replay (its cuda_stream handle)
 
 
 class BatchGraphs:
     """One buffer's captured batch graphs, by key (what the batch asks for)."""
 
-    def __init__(self, device: torch.device, generator: torch.Generator) -> None:
+    def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generator = generator
+        self.seed = seed  # the draws' Philox key (under 2^63)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # the anchor count
+        self.rounds = torch.zeros((), dtype=torch.long, device=device)  # draws so far
         self._count = 0  # what count holds (its writes are stream-ordered, never read back)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._asked: dict[Hashable, int] = {}
@@ -82,11 +91,13 @@ class BatchGraphs:
         return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
 
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Uniform places in ``[0, count)``, ``shape`` of them, read from the device count:
-        graph-safe (a host count would be frozen into the graph). 62 random bits modulo the
-        count: a bias under count / 2^62."""
-        raw = torch.randint(0, 2**62, shape, generator=self.generator, device=self.device)
-        return raw.remainder(self.count)
+        """Uniform places in ``[0, count)``, ``shape`` of them (:func:`replaybuf.fused.draw`),
+        then the round advanced: both on the device, so a graph replays them."""
+        places = fused.draw(self.rounds, self.count, shape, self.seed)
+        if places is None:
+            raise NotCapturable("the draw kernel does not run here")
+        self.rounds.add_(1)
+        return places
 
     def run(
         self, key: Hashable, inputs: Sequence[torch.Tensor], count: int, build: Build
@@ -144,10 +155,10 @@ class BatchGraphs:
         """Capture ``build`` (after one run outside the graph: kernels compiled, caches
         filled) and replay it once; None, and the key marked failed, where it cannot be."""
         try:
-            entry = _capture(self.device, self.generator, build, inputs, signature)
-        except (NotCapturable, RuntimeError, AttributeError):
+            entry = _capture(self.device, build, inputs, signature)
+        except (NotCapturable, RuntimeError):
             # NotCapturable: a path that reads the host; RuntimeError: CUDA refused an op
-            # during capture; AttributeError: a torch without graph-safe generators.
+            # during capture.
             entry = None
         if entry is None:
             self._failed.add(key)
@@ -160,7 +171,6 @@ class BatchGraphs:
 
 def _capture(
     device: torch.device,
-    generator: torch.Generator,
     build: Build,
     inputs: tuple[torch.Tensor, ...],
     signature: tuple[int, ...],
@@ -176,49 +186,60 @@ def _capture(
             return None
         del warm
         graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(generator)
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             meta, outputs = build()
-            packed, sizes, layout = _pack(outputs)
+            packed, parts = _pack(outputs)
         finally:
             graph.capture_end()
-        del outputs  # what the packed copies hold
+        count = len(outputs)
+        del outputs  # what the packed copy holds
         graph.replay()
     current.wait_stream(side)
-    return _Entry(graph, inputs, signature, meta, packed, sizes, layout)
+    return _Entry(graph, inputs, signature, meta, packed, parts, count)
 
 
-def _pack(
-    outputs: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], list[list[int]], list[tuple[int, int, torch.dtype, torch.Size]]]:
-    """``outputs`` as one flat tensor per element size (viewed as an integer type of that
-    size), and where each output lies in them."""
-    groups: dict[int, list[torch.Tensor]] = {}
-    layout = []
-    for value in outputs:
-        flat = value.reshape(-1)
-        carrier = _CARRIERS.get(value.element_size(), value.dtype)
-        flat = flat.view(carrier) if flat.dtype != carrier else flat
-        size = value.element_size()
-        group = groups.setdefault(size, [])
-        layout.append((list(groups).index(size), len(group), value.dtype, value.shape))
-        group.append(flat)
-    packed = [torch.cat(group) for group in groups.values()]
-    sizes = [[piece.numel() for piece in group] for group in groups.values()]
-    return packed, sizes, layout
+def _pack(outputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[Part]]:
+    """``outputs``' bytes in one uint8 tensor, each dtype's together from a multiple of
+    :data:`ALIGN` (one ``cat``), and where they lie."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, value in enumerate(outputs):
+        by_dtype.setdefault(value.dtype, []).append(i)
+    pieces: list[torch.Tensor] = []
+    parts: list[Part] = []
+    end = 0
+    for dtype, places in by_dtype.items():
+        values = [outputs[i] for i in places]
+        first = end
+        for value in values:
+            pieces.append(_bytes(value))
+            end += value.numel() * value.element_size()
+        parts.append((dtype, first, end, [v.numel() for v in values], [v.shape for v in values],
+                      places))  # fmt: skip
+        pad = -end % ALIGN
+        if pad:
+            pieces.append(torch.empty(pad, dtype=torch.uint8, device=outputs[0].device))
+            end += pad
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8), parts
+    return torch.cat(pieces), parts
+
+
+def _bytes(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as flat bytes (a copy where it is not contiguous)."""
+    return value.reshape(-1).view(torch.uint8)
 
 
 def _unpack(entry: _Entry) -> list[torch.Tensor]:
-    """Fresh copies of the last replay's outputs: one clone per packed tensor, cut in views."""
-    pieces = [
-        torch.split_with_sizes(flat.clone(), sizes)
-        for flat, sizes in zip(entry.packed, entry.sizes, strict=True)
-    ]
-    values = []
-    for group, at, dtype, shape in entry.layout:
-        piece = pieces[group][at]
-        values.append((piece if piece.dtype == dtype else piece.view(dtype)).view(shape))
+    """Fresh copies of the last replay's outputs: one clone of the packed bytes, cut into
+    views (one dtype view and one split per dtype, one shape view per output)."""
+    data = entry.packed.clone()
+    values: list[torch.Tensor] = [data] * entry.outputs  # each place filled below
+    for dtype, first, end, sizes, shapes, places in entry.parts:
+        typed = data[first:end].view(dtype)
+        pieces = torch.split_with_sizes(typed, sizes) if len(sizes) > 1 else (typed,)
+        for place, piece, shape in zip(places, pieces, shapes, strict=True):
+            values[place] = piece.view(shape)
     return values
 
 

@@ -191,13 +191,14 @@ def nstep_values(
     n: NArg,
     gamma: float,
     device: torch.device,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     table: torch.Tensor | None = None,
     fused_only: bool = False,
 ) -> list[torch.Tensor]:
-    """:func:`nstep_batch`'s values, in :func:`nstep_keys`' order. ``fused_only`` (a graph's
-    capture): raise :class:`~replaybuf.graphs.NotCapturable` where the fused kernel declines
-    (the torch ops' jump tables and caches are rebuilt outside any graph)."""
+    """:func:`nstep_batch`'s values, in :func:`nstep_keys`' order (``generator``: a random
+    n's draws; None for a fixed n). ``fused_only`` (a graph's capture): raise
+    :class:`~replaybuf.graphs.NotCapturable` where the fused kernel declines (the torch ops'
+    jump tables and caches are rebuilt outside any graph)."""
     batch = start.shape[0]
     if isinstance(n, tuple):
         low, high = n

@@ -338,14 +338,18 @@ def test_strict_sequence_draws_in_the_kernel_are_uniform(few):
         assert len(calls) == (20 if few else 10)  # few: every batch has slots drawn again
 
 
+GRAPHS = str(Path(__file__).with_name("test_graphs.py"))  # its interpreted tests too
+
+
 def test_the_kernel_in_the_interpreter():
-    """The tests above, in a child process where Triton's interpreter is on."""
+    """The tests above (and test_graphs.py's), in a child process where Triton's interpreter
+    is on."""
     pytest.importorskip("triton")
     if fused.INTERPRET or CHILD in os.environ:
         pytest.skip("already in the interpreter's child process")
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, GRAPHS],
         cwd=Path(__file__).parent.parent,
         env=env,
         capture_output=True,

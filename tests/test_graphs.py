@@ -1,15 +1,17 @@
 """Captured batch graphs (:mod:`replaybuf.graphs`, :mod:`replaybuf.graph_batches`).
 
 On the CPU a stand-in capture (:func:`fake_capture`: a replay runs the build again and writes
-its outputs into the static packed tensors, as a CUDA replay does) checks the cache: when a
-key is captured, that replays hand out fresh copies, that moved inputs are captured again, the
-LRU limit, failed keys, the packing of every dtype and the device-count draw. On a GPU real
-graphs serve random programs' batches, checked against the reference model after every
-operation (appends, ends and evictions between replays), on the default stream and another.
+its outputs into the static packed bytes, as a CUDA replay does) checks the cache: when a key
+is captured, that replays hand out fresh copies, that moved inputs are captured again, the LRU
+limit, failed keys and the packing of every dtype. In Triton's interpreter (the child process
+of ``test_fused.py``) the same stand-in serves random programs' batches from mirrored CPU
+buffers, through the draw kernel and the fused kernels, checked against the reference model
+after every operation. On a GPU real graphs do, on the default stream and another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -17,12 +19,15 @@ from unittest import mock
 
 import pytest
 import torch
+from episode_helpers import mirrored
 from episode_program import Program
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from test_cuda import Arrived
+from test_fused import INTERPRETED
 
+import replaybuf.fused as fused
 import replaybuf.graphs as graphs
 from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.graphs import CAPTURE_AT, LIMIT, BatchGraphs, NotCapturable
@@ -33,33 +38,33 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 class FakeGraph:
     """A CPU stand-in for a captured graph: a replay runs the build again and copies its
-    outputs into the entry's static packed tensors."""
+    outputs' bytes into the entry's static packed tensor."""
 
-    def __init__(self, build: graphs.Build, packed: list[torch.Tensor]) -> None:
+    def __init__(self, build: graphs.Build, packed: torch.Tensor) -> None:
         self.build, self.packed = build, packed
         self.replays = 0
         self.was_reset = False
 
     def replay(self) -> None:
-        fresh, _, _ = graphs._pack(self.build()[1])
-        for static, new in zip(self.packed, fresh, strict=True):
-            static.copy_(new)
+        fresh, _ = graphs._pack(self.build()[1])
+        self.packed.copy_(fresh)
         self.replays += 1
 
     def reset(self) -> None:
         self.was_reset = True
 
 
-def fake_capture(device, generator, build, inputs, signature) -> graphs._Entry:
+def fake_capture(device, build, inputs, signature) -> graphs._Entry:
     meta, outputs = build()
-    packed, sizes, layout = graphs._pack(outputs)
-    return graphs._Entry(FakeGraph(build, packed), inputs, signature, meta, packed, sizes, layout)
+    packed, parts = graphs._pack(outputs)
+    graph = FakeGraph(build, packed)
+    return graphs._Entry(graph, inputs, signature, meta, packed, parts, len(outputs))
 
 
 @pytest.fixture
 def cache() -> Iterator[BatchGraphs]:
     with mock.patch.object(graphs, "_capture", fake_capture):
-        yield BatchGraphs(torch.device("cpu"), torch.Generator().manual_seed(0))
+        yield BatchGraphs(torch.device("cpu"), seed=0)
 
 
 class Source:
@@ -108,8 +113,8 @@ def test_replays_hand_out_fresh_copies_that_later_replays_leave_alone(cache):
     assert later[0].tolist() == [20.0, 22.0, 24.0, 26.0, 28.0, 30.0]
     assert (kept[0] == -7.0).all()  # untouched by the replay
     assert all(torch.equal(a, b) for a, b in zip(kept[1:], copies[1:], strict=True))
-    packed = {t.untyped_storage().data_ptr() for t in cache._entries["k"].packed}
-    assert not packed & {v.untyped_storage().data_ptr() for v in later}
+    packed = cache._entries["k"].packed.untyped_storage().data_ptr()
+    assert packed not in {v.untyped_storage().data_ptr() for v in later}
 
 
 def test_an_input_that_moved_is_captured_again_at_once(cache):
@@ -167,7 +172,7 @@ def test_outputs_past_the_byte_limit_are_not_graphed():
         mock.patch.object(graphs.torch.cuda, "Stream"),
         mock.patch.object(graphs.torch.cuda, "stream"),
     ):
-        cache = BatchGraphs(device, torch.Generator())
+        cache = BatchGraphs(device, seed=0)
         for _ in range(CAPTURE_AT):
             assert cache.run("k", [], 1, lambda: (None, [big])) is None
     assert "k" in cache._failed
@@ -191,26 +196,115 @@ def test_packing_round_trips_every_dtype_shape_and_layout(fields):
         if transposed and value.dim() >= 2:
             value = value.transpose(0, 1)  # not contiguous: packed all the same
         outputs.append(value)
-    packed, sizes, layout = graphs._pack(outputs)
-    assert len(packed) == len({v.element_size() for v in outputs})
-    entry = graphs._Entry(None, (), (), None, packed, sizes, layout)
-    for got, want in zip(graphs._unpack(entry), outputs, strict=True):
+    packed, parts = graphs._pack(outputs)
+    assert packed.dtype == torch.uint8
+    assert len(parts) == len({v.dtype for v in outputs})
+    assert all(first % graphs.ALIGN == 0 for _, first, *_ in parts)
+    entry = graphs._Entry(None, (), (), None, packed, parts, len(outputs))
+    got_all = graphs._unpack(entry)
+    for got, want in zip(got_all, outputs, strict=True):
         assert got.dtype == want.dtype
         assert got.shape == want.shape
         assert torch.equal(got, want)
+    if packed.numel():  # a copy, not the static bytes
+        assert got_all[0].untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
 
 
-def test_the_device_count_draw_is_uniform_over_the_count():
-    cache = BatchGraphs(torch.device("cpu"), torch.Generator().manual_seed(3))
-    cache.count.fill_(7)  # as run writes it before a replay
-    draws = cache.draw((7_000,))
+@INTERPRETED
+def test_the_draw_kernel_is_uniform_new_each_round_and_seeded():
+    graphs_ = BatchGraphs(torch.device("cpu"), seed=11)
+    graphs_.count.fill_(7)  # as run writes it before a replay
+    draws = graphs_.draw((7_000,))
     assert draws.dtype == torch.long
-    assert draws.min() >= 0
-    assert draws.max() < 7
+    assert int(graphs_.rounds) == 1  # advanced on the device, in the graph
+    assert int(draws.min()) >= 0
+    assert int(draws.max()) < 7
     counts = Counter(draws.tolist())
     assert chisquare([counts[i] for i in range(7)]).pvalue > 1e-4
-    cache.count.fill_(2)
-    assert set(cache.draw((500,)).tolist()) == {0, 1}
+    again = graphs_.draw((7_000,))
+    assert not torch.equal(again, draws)  # a new round, new bits
+    same = fused.draw(torch.zeros((), dtype=torch.long), graphs_.count, (7_000,), 11)
+    assert torch.equal(same, draws)  # (seed, round) decide the draws
+    other = fused.draw(torch.zeros((), dtype=torch.long), graphs_.count, (7_000,), 12)
+    assert not torch.equal(other, draws)
+    graphs_.count.fill_(2)
+    assert set(graphs_.draw((500, 3)).reshape(-1).tolist()) == {0, 1}
+
+
+@INTERPRETED
+@pytest.mark.parametrize("frame_stack", [None, 3])
+def test_graphed_batches_in_the_interpreter_agree_with_the_reference(frame_stack):
+    # Mirrored CPU buffers take CUDA storage's path; the stand-in capture replays the build.
+    with stand_in_graphs():
+        buf = SyncEpisodeReplayBuffer(
+            60, device="cpu", storing_device="cpu", storage="tensor", seed=0,
+            frame_stack=frame_stack,
+        )  # fmt: skip
+        p = Program(buf)
+        with buf:
+            rounds(p, 6)
+            keys = graph_keys(p)
+            assert ("n_step", 16, 3, 0.9) in keys
+            assert ("sequences", 6, 4, True) in keys
+            assert ("sequences", 6, 4, False) in keys
+            replays = sum(e.graph.replays for e in buf._batch_graphs._entries.values())
+            assert replays >= 6 * 2 * 3  # rounds x samples per round x graphed keys, less captures
+
+
+def stand_in_graphs() -> contextlib.AbstractContextManager:
+    """Mirrored CPU buffers (CUDA storage's path) whose batches the stand-in capture serves."""
+    cuda_or_cpu = staticmethod(lambda device: device.type in ("cuda", "cpu"))
+    stack = contextlib.ExitStack()
+    stack.enter_context(mirrored())
+    stack.enter_context(mock.patch.object(graphs, "_capture", fake_capture))
+    stack.enter_context(mock.patch.object(BatchGraphs, "enabled", cuda_or_cpu))
+    return stack
+
+
+def add_episode(buf: SyncEpisodeReplayBuffer, e: int, length: int) -> None:
+    eid = buf.start_episode()
+    for t in range(length):
+        buf.append_observation_action_reward(eid, torch.tensor([e, t]), 0, 0.0)
+    buf.end_episode(eid, "terminated", torch.tensor([e, length]))
+
+
+def graphed_draws_are_uniform(buf: SyncEpisodeReplayBuffer, batches: int) -> None:
+    """Episodes of 5 and 9 steps, then (graphs captured) one of 13: the graphed n-step and
+    padded sequence draws cover the 27 valid steps uniformly (a stale count would miss the
+    new episode's)."""
+    with buf:
+        add_episode(buf, 0, 5)
+        add_episode(buf, 1, 9)
+        for _ in range(CAPTURE_AT):
+            buf.sample_n_step(64, 1)
+            buf.sample_sequences(64, 2, strict=False)
+        add_episode(buf, 2, 13)
+        counts: Counter = Counter()
+        for _ in range(batches):
+            batch = buf.sample_n_step(64, 1)
+            counts.update(
+                zip(batch["episode_id"].tolist(), batch["start_step"].tolist(), strict=True)
+            )
+            sequences = buf.sample_sequences(64, 2, strict=False)
+            starts = zip(
+                sequences["episode_id"][:, 0].tolist(),
+                sequences["step"][:, 0].tolist(),
+                strict=True,
+            )
+            counts.update(starts)
+        assert set(buf._batch_graphs._entries) == {
+            ("n_step", 64, 1, 0.99),
+            ("sequences", 64, 2, False),
+        }
+        assert len(counts) == 27
+        assert chisquare(list(counts.values())).pvalue > 1e-4
+
+
+@INTERPRETED
+def test_graphed_draws_in_the_interpreter_follow_the_anchor_count():
+    with stand_in_graphs():
+        buf = SyncEpisodeReplayBuffer(100, device="cpu", storing_device="cpu", seed=1)
+        graphed_draws_are_uniform(buf, 60)
 
 
 def test_graphs_are_only_for_cuda_and_can_be_switched_off():
@@ -249,8 +343,8 @@ def rounds(p: Program, count: int) -> None:
 
 
 def graph_keys(p: Program) -> set:
-    entries = p.buf._buf._batch_graphs._entries
-    return set(entries)
+    buf = p.buf if isinstance(p.buf, SyncEpisodeReplayBuffer) else p.buf._buf
+    return set(buf._batch_graphs._entries)
 
 
 @pytest.mark.parametrize("frame_stack", [None, 3])
@@ -262,7 +356,7 @@ def test_graphed_batches_agree_with_the_reference(frame_stack):
         rounds(p, 10)
         keys = graph_keys(p)
         assert ("n_step", 16, 3, 0.9) in keys
-        assert ("n_step", 16, (1, 3), 0.5) in keys
+        assert ("n_step", 16, (1, 3), 0.5) not in keys  # a random n takes the torch generator
         assert ("sequences", 6, 4, True) in keys
         assert ("sequences", 6, 4, False) in keys
 
@@ -303,24 +397,8 @@ def test_batches_kept_by_the_caller_never_change():
 @pytest.mark.gpu
 @needs_cuda
 def test_graphed_draws_are_uniform_over_the_valid_steps():
-    buf = SyncEpisodeReplayBuffer(
-        100, device="cuda", storing_device="cuda", storage="tensor", seed=1
-    )
-    with buf:
-        for e, length in enumerate([5, 9, 13]):
-            eid = buf.start_episode()
-            for t in range(length):
-                buf.append_observation_action_reward(eid, torch.tensor([e, t]), 0, 0.0)
-            buf.end_episode(eid, "terminated", torch.tensor([e, length]))
-        counts: Counter = Counter()
-        for _ in range(200):
-            batch = buf.sample_n_step(64, 1)
-            counts.update(
-                zip(batch["episode_id"].tolist(), batch["start_step"].tolist(), strict=True)
-            )
-        assert ("n_step", 64, 1, 0.99) in buf._batch_graphs._entries
-        assert len(counts) == 27
-        assert chisquare(list(counts.values())).pvalue > 1e-4
+    buf = SyncEpisodeReplayBuffer(100, device="cuda", storing_device="cuda", seed=1)
+    graphed_draws_are_uniform(buf, 100)
 
 
 @pytest.mark.gpu
