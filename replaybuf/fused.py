@@ -36,6 +36,7 @@ except Exception:  # ImportError without Triton; its own errors on a broken inst
 
 TRITON_ENV = "REPLAYBUF_TRITON"  # "0": run the torch ops instead
 BLOCK = 128  # anchors per program
+SEQUENCE_TILE = 2048  # positions per program of the sequence kernel (slots x span)
 # Set before Triton is imported, Triton's interpreter runs the kernel on CPU tensors (the tests).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -155,50 +156,82 @@ if triton is not None:  # the kernel's annotations need Triton
         flags_ptr,
         batch,
         length,
+        capacity,
         TRIES: tl.constexpr,
         PICK: tl.constexpr,
         STRICT: tl.constexpr,
-        BLOCK: tl.constexpr,
+        SLOTS: tl.constexpr,
+        SPAN: tl.constexpr,
     ):
         """Per slot: its start (``draw`` itself, or ``table[draw]`` with PICK; STRICT: the first
-        of its TRIES draws with ``length`` steps ahead), then the walk of ``length`` links with
-        what a sequence batch reads of it (index.sequence_rows, padded past the episode end).
-        Each try writes its walk while the slot has found no start: a slot whose first draw
-        qualifies (the common case) is walked once."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        of its TRIES draws with ``length`` steps ahead), its ``length + 1`` rows (index.
+        sequence_rows: the last real row repeats past the episode end) and what a sequence
+        batch reads of them. SLOTS slots per program, each over SPAN >= length + 1 positions.
+
+        Following ``length`` links one by one is ``length`` dependent loads (~0.5 µs each on
+        an H200). Rows of one episode are usually evenly spaced (a vectorized env appends its
+        envs' steps side by side, so an episode's rows lie ``num_envs`` apart), so the walk
+        guesses row_k = row_0 + k·d (d = succ[row_0] - row_0) and checks every link of the
+        guess at once: the rows are right up to the first link that breaks, and past it they
+        repeat the row there when it is the episode's end (a self-loop). Only a slot whose
+        layout breaks elsewhere follows its links one by one, from the break."""
+        i = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
         live = i < batch
-        start = tl.zeros([BLOCK], tl.int64)
+        k = tl.arange(0, SPAN)
+        start = tl.zeros([SLOTS], tl.int64)
         found = i < 0  # all False
         width = length + 1
         cells = batch * length  # each output plane is [batch, length]
+        on_row = k[None, :] <= length  # the positions of rows
+        on_step = k[None, :] < length  # the positions of steps
         for t in range(0, TRIES):
             todo = live & ~found
             candidate = tl.load(draw_ptr + i * TRIES + t, mask=todo, other=0)
             if PICK:
                 candidate = tl.load(table_ptr + candidate, mask=todo, other=0)
             start = tl.where(todo, candidate, start)  # the last try holds a place
-            row = candidate
-            episode = tl.load(episode_ptr + row, mask=todo, other=0)
-            tl.store(rows_ptr + i * width, row, mask=todo)
-            real = todo
-            for k in range(0, length):
-                after = tl.load(succ_ptr + row, mask=todo, other=0)
-                real = after != row  # False past the episode's last stored row (a self-loop)
-                kind = tl.load(kind_ptr + after, mask=todo, other=0)
-                step = tl.load(step_ptr + row, mask=todo, other=0)
-                at = i * length + k
-                tl.store(rows_ptr + i * width + k + 1, after, mask=todo)
-                tl.store(ints_ptr + at, row, mask=todo)  # the step's own row
-                tl.store(ints_ptr + cells + at, after, mask=todo)  # its next observation's
-                tl.store(ints_ptr + 2 * cells + at, tl.where(real, step, -1), mask=todo)
-                tl.store(ints_ptr + 3 * cells + at, tl.where(real, episode, -1), mask=todo)
-                tl.store(flags_ptr + at, real.to(tl.uint8), mask=todo)
-                tl.store(flags_ptr + cells + at, (~real).to(tl.uint8), mask=todo)
-                tl.store(flags_ptr + 2 * cells + at, (real & (kind == 1)).to(tl.uint8), mask=todo)
-                tl.store(flags_ptr + 3 * cells + at, (real & (kind == 2)).to(tl.uint8), mask=todo)
-                row = after
+            spacing = tl.load(succ_ptr + candidate, mask=todo, other=0) - candidate
+            guess = candidate[:, None] + k[None, :] * spacing[:, None]  # [SLOTS, SPAN]
+            inside = (guess >= 0) & (guess < capacity)
+            check = todo[:, None] & on_step & inside
+            after = tl.load(succ_ptr + guess, mask=check, other=-1)
+            broken = on_step & (after != guess + spacing[:, None])
+            first = tl.min(tl.where(broken, k[None, :], SPAN), axis=1)  # [SLOTS]
+            at_first = k[None, :] == first[:, None]
+            row_there = tl.sum(tl.where(at_first, guess, 0), axis=1)
+            ends_there = tl.sum(tl.where(at_first & (after == guess), 1, 0), axis=1) > 0
+            rows = tl.where(k[None, :] <= first[:, None], guess, row_there[:, None])
+            out = rows_ptr + i[:, None] * width + k[None, :]
+            tl.store(out, rows, mask=todo[:, None] & on_row)
+            # A break that is not an episode end: follow the links one by one from it.
+            walk = todo & (first < length) & ~ends_there
+            if tl.max(walk.to(tl.int32), axis=0) > 0:
+                row = row_there
+                for j in range(0, length):
+                    going = walk & (j >= first)
+                    nxt = tl.load(succ_ptr + row, mask=going, other=0)
+                    tl.store(rows_ptr + i * width + j + 1, nxt, mask=going)
+                    row = tl.where(going, nxt, row)
+            tl.debug_barrier()  # the rows, then what is read of them
+            rows = tl.load(out, mask=todo[:, None] & on_row, other=0)
+            nexts = tl.load(out + 1, mask=todo[:, None] & on_step, other=0)
+            real = nexts != rows  # False past the episode's last stored row (a self-loop)
+            kind = tl.load(kind_ptr + nexts, mask=todo[:, None] & on_step, other=0)
+            step = tl.load(step_ptr + rows, mask=todo[:, None] & on_step, other=0)
+            episode = tl.load(episode_ptr + candidate, mask=todo, other=0)
+            at = i[:, None] * length + k[None, :]
+            put = todo[:, None] & on_step
+            tl.store(ints_ptr + at, rows, mask=put)  # the step's own row
+            tl.store(ints_ptr + cells + at, nexts, mask=put)  # its next observation's
+            tl.store(ints_ptr + 2 * cells + at, tl.where(real, step, -1), mask=put)
+            tl.store(ints_ptr + 3 * cells + at, tl.where(real, episode[:, None], -1), mask=put)
+            tl.store(flags_ptr + at, real.to(tl.uint8), mask=put)
+            tl.store(flags_ptr + cells + at, (~real).to(tl.uint8), mask=put)
+            tl.store(flags_ptr + 2 * cells + at, (real & (kind == 1)).to(tl.uint8), mask=put)
+            tl.store(flags_ptr + 3 * cells + at, (real & (kind == 2)).to(tl.uint8), mask=put)
             # STRICT: index.full_sequence_starts, the walk still moved at its last step
-            found = found | (todo & real) if STRICT else live
+            last = tl.sum(tl.where(k[None, :] == length - 1, real.to(tl.int32), 0), axis=1) > 0
+            found = found | (todo & last) if STRICT else live
         tl.store(flags_ptr + 4 * cells + i, found.to(tl.uint8), mask=live)
         tl.store(ints_ptr + 4 * cells + i, start, mask=live)
 
@@ -343,11 +376,13 @@ def sequences(
     ints = torch.empty(4 * cells + batch, dtype=torch.long, device=device)
     flags = torch.empty(4 * cells + batch, dtype=torch.uint8, device=device)
     if batch:
+        span, slots = sequence_tile(length)
         with _current(device):
-            _sequence_kernel[(triton_cdiv(batch, BLOCK),)](
+            _sequence_kernel[(triton_cdiv(batch, slots),)](
                 draws, draws if table is None else table, links.succ, links.end_kind,
                 links.step, links.episode, rows, ints, flags, batch, length,
-                TRIES=tries, PICK=table is not None, STRICT=strict, BLOCK=BLOCK,
+                links.succ.shape[0], TRIES=tries, PICK=table is not None, STRICT=strict,
+                SLOTS=slots, SPAN=span,
             )  # fmt: skip
     step_rows, next_rows, step, episode = ints[: 4 * cells].view(4, batch, length).unbind(0)
     bools = flags.view(torch.bool)
@@ -356,6 +391,13 @@ def sequences(
     return Walk(
         start, rows, step_rows, next_rows, mask, pad, terminal, truncated, step, episode, found
     )
+
+
+def sequence_tile(length: int) -> tuple[int, int]:
+    """The sequence kernel's positions per slot (a power of two past ``length``) and slots
+    per program (a power of two, up to 64, about SEQUENCE_TILE positions in all)."""
+    span = 1 << length.bit_length()  # the least power of two > length
+    return span, max(1, min(64, SEQUENCE_TILE // span))
 
 
 def draw(

@@ -117,11 +117,12 @@ class BatchGraphs:
             if entry is None and self._asked.get(key, 0) + 1 < CAPTURE_AT:
                 self._asked[key] = self._asked.get(key, 0) + 1
                 return None
-            stream = _current_stream(self.device)
+            stream = _raw_stream(self.device)
             # Another stream's copies may still read the static outputs or the count.
             for other in self._entries.values() if entry is None else [entry]:
-                if stream is not None and other.stream not in (None, stream.cuda_stream):
-                    stream.wait_stream(torch.cuda.ExternalStream(other.stream, self.device))
+                if stream is not None and other.stream not in (None, stream):
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_stream(torch.cuda.ExternalStream(other.stream, self.device))
             if count != self._count:
                 self.count.fill_(count)  # a launch, in stream order with the replays
                 self._count = count
@@ -132,7 +133,7 @@ class BatchGraphs:
             else:
                 self._entries.move_to_end(key)
                 entry.graph.replay()
-            entry.stream = None if stream is None else stream.cuda_stream
+            entry.stream = stream
             return entry.meta, _unpack(entry)
 
     def clear(self) -> None:
@@ -232,17 +233,31 @@ def _bytes(value: torch.Tensor) -> torch.Tensor:
 
 def _unpack(entry: _Entry) -> list[torch.Tensor]:
     """Fresh copies of the last replay's outputs: one clone of the packed bytes, cut into
-    views (one dtype view and one split per dtype, one shape view per output)."""
+    views (per dtype a slice and a dtype view, then one ``unbind`` where its outputs share a
+    shape, else a split and a shape view each: each view costs the host ~1 µs)."""
     data = entry.packed.clone()
     values: list[torch.Tensor] = [data] * entry.outputs  # each place filled below
     for dtype, first, end, sizes, shapes, places in entry.parts:
         typed = data[first:end].view(dtype)
-        pieces = torch.split_with_sizes(typed, sizes) if len(sizes) > 1 else (typed,)
-        for place, piece, shape in zip(places, pieces, shapes, strict=True):
-            values[place] = piece.view(shape)
+        if len(places) == 1:
+            values[places[0]] = typed.view(shapes[0])
+        elif all(shape == shapes[0] for shape in shapes):
+            for place, piece in zip(
+                places, typed.view(len(places), *shapes[0]).unbind(0), strict=True
+            ):
+                values[place] = piece
+        else:
+            for place, piece, shape in zip(
+                places, torch.split_with_sizes(typed, sizes), shapes, strict=True
+            ):
+                values[place] = piece if piece.dim() == len(shape) == 1 else piece.view(shape)
     return values
 
 
-def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream replays and copies run on (None off CUDA: the tests' stand-in graphs)."""
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+def _raw_stream(device: torch.device) -> int | None:
+    """The handle of the stream replays and copies run on (None off CUDA: the tests'
+    stand-in graphs); cheaper than a ``torch.cuda.Stream`` (~0.3 against ~3 µs)."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
