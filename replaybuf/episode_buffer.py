@@ -172,8 +172,10 @@ class SyncEpisodeReplayBuffer:
         self._closed = False
         self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
         self._batch_graphs: BatchGraphs | None = None  # made on first use (CUDA storage)
-        # The graphs' draw key (replaybuf.graphs): from the seed, apart from the generator's.
+        # The device draws' key and first round (replaybuf.graphs): from the seed, apart from
+        # the generator's; a checkpoint saves both.
         self._graph_seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0] >> 1)
+        self._graph_rounds = 0
 
     # ----------------------------------------------------------------- properties
     @property
@@ -283,8 +285,26 @@ class SyncEpisodeReplayBuffer:
     def _graphs(self) -> BatchGraphs:
         """The captured batch graphs (:mod:`replaybuf.graphs`), made on first use."""
         if self._batch_graphs is None:
-            self._batch_graphs = BatchGraphs(self.storing_device, self._graph_seed)
+            graphs = BatchGraphs(self.storing_device, self._graph_seed, self._graph_rounds)
+            self._batch_graphs = graphs
         return self._batch_graphs
+
+    def _device_draws(self) -> tuple[int, int]:
+        """The device draws' key and how many draws were made (a checkpoint saves both)."""
+        if self._batch_graphs is None:
+            return self._graph_seed, self._graph_rounds
+        return self._graph_seed, self._batch_graphs.round()
+
+    def _places(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform places in the packed anchor rows, and those rows (CUDA storage): drawn on
+        the device where the draw kernel runs, as a graph's replay draws them (a batch does
+        not depend on whether a graph served it), else from the generator."""
+        anchors = self._core.anchors
+        table = anchors.rows
+        places = self._graphs.places(shape, anchors.count)
+        if places is None:
+            return anchors.draw_places(shape, self._generator)
+        return places, table
 
     def _require_steps(self, what: str) -> None:
         self._check_open()
@@ -318,8 +338,8 @@ class SyncEpisodeReplayBuffer:
             graphed = graphed_nstep(core, self._graphs, batch_size, n, gamma, self.device)
             if graphed is not None:  # one replay of the launches below (see replaybuf.graphs)
                 return graphed
-            # AnchorSet.sample's draw, the lookup left to the fused kernel (CUDA storage)
-            places, table = core.anchors.draw_places(batch_size, self._generator)
+            # A uniform draw of places, the lookup left to the fused kernel (CUDA storage)
+            places, table = self._places((batch_size,))
             return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
         start, weight = draw_anchors(core, batch_size, replace, self._generator)
         batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
@@ -341,7 +361,9 @@ class SyncEpisodeReplayBuffer:
             )
             if graphed is not None:
                 return graphed
-        start, weight, walk = draw_sequences(core, batch_size, seq_len, strict, self._generator)
+        start, weight, walk = draw_sequences(
+            core, batch_size, seq_len, strict, self._generator, self._places
+        )
         batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
         return with_priority_keys(core, batch, start, weight)
 

@@ -16,6 +16,8 @@ A checkpoint holds::
              index/episode_rows       every episode's rows (then its final row), concatenated
              final/<j>/<i>            final observation field i of the j-th zero-step episode
              sampler/generator_state
+             sampler/device_draws     the device draws' key and round, int64 [2] (uniform
+                                      draws from CUDA storage; absent before 2026-11-27)
 
 Saving takes a snapshot: index state is copied first, then rows are streamed while the core is
 pinned (rows freed by eviction are not reused), so the async facade can keep writers going
@@ -25,6 +27,7 @@ before a buffer is created, and streams rows into fresh storage, verifying check
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
 from array import array
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
 KIND = "EpisodeReplayBuffer"
 LINKS = ("next_row", "episode", "step", "end_kind", "alloc")
 PRIORITY = "priority/weights"
+DRAWS = "sampler/device_draws"  # the device draws' key and round (replaybuf.graphs)
 OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "min_steps", "priority_backend")
 _STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
 
@@ -83,6 +87,7 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
     spec = core.slots.spec
     tensors: dict[str, torch.Tensor] = {
         GENERATOR: buffer._generator.get_state(),
+        DRAWS: torch.tensor(buffer._device_draws(), dtype=torch.long),
         "index/anchors": core.anchors.snapshot(),
         "index/free": free_rows(core),
         "index/episode_rows": torch.tensor(flat, dtype=torch.long),
@@ -246,6 +251,13 @@ def check(checkpoint: Checkpoint, where: str) -> Saved:
         small[f"links/{name}"] = checkpoint.load(f"links/{name}", verify=True)
     if meta["prioritized"]:
         small[PRIORITY] = checkpoint.load(PRIORITY, verify=True)
+    if DRAWS in checkpoint.tensors:
+        draws = small[DRAWS] = checkpoint.load(DRAWS, verify=True)
+        if draws.dtype != torch.long or tuple(draws.shape) != (2,) or bool((draws < 0).any()):
+            raise CorruptCheckpointError(
+                f"{where}: {DRAWS} expected two int64 values >= 0 (key, round), got "
+                f"{draws.dtype} {tuple(draws.shape)} {draws.tolist()}"
+            )
     saved = Saved(meta, spec, first, table, small)
     _check_rows(checkpoint, saved, high_water, where)
     _check_links(saved, rows, where)
@@ -379,6 +391,12 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
     core.evicted = meta["evicted"]
     core._first_obs_spec = saved.first_obs_spec
     restore_generator(buffer._generator, s[GENERATOR], meta["generator_device"])
+    if DRAWS in s:
+        buffer._graph_seed, buffer._graph_rounds = (int(v) for v in s[DRAWS])
+    else:  # saved before device draws: a key from the saved generator state, so loads agree
+        digest = hashlib.sha256(s[GENERATOR].numpy().tobytes()).digest()
+        buffer._graph_seed, buffer._graph_rounds = int.from_bytes(digest[:8], "little") >> 1, 0
+    buffer._batch_graphs = None  # made again, from those, on first use
 
 
 def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:

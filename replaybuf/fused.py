@@ -7,14 +7,16 @@ padding ~30. Each is a kernel launch that costs the host 6-20 µs (measured on a
 about 1 µs of GPU work: a batch is bound by launches, not by the GPU. Each kernel here does
 its whole job in one launch: the n-step window (with the anchor lookup and both observations'
 frame stacks), the frame-stack rows of given rows, and a sequence batch's walk (with its
-uniform draw).
+strict draw's choice). A fourth draws uniform places against an anchor count read on the
+device (what a captured graph replays, :mod:`replaybuf.graphs`).
 
 Written by hand because torch has no such op, and ``torch.compile`` recompiles for new batch
 sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
 Linux; without it (CPU-only builds), on GPUs it does not build for, for rewards it does not
-take, or with ``REPLAYBUF_TRITON=0``, the torch ops run, with the same results (returns to
-rounding; a strict sequence draw makes other draws, as uniform). The tests compare the two,
-running the kernels in Triton's interpreter on the CPU.
+take, or with ``REPLAYBUF_TRITON=0``, the torch ops run: the same batches for the same
+anchors (returns to rounding), though the draws differ (the torch generator's, and a strict
+sequence draw's rejection), as uniform. The tests compare the two, running the kernels in
+Triton's interpreter on the CPU.
 No ``from __future__ import annotations`` here: Triton reads the kernels' annotations.
 """
 
@@ -37,6 +39,7 @@ except Exception:  # ImportError without Triton; its own errors on a broken inst
 TRITON_ENV = "REPLAYBUF_TRITON"  # "0": run the torch ops instead
 BLOCK = 128  # anchors per program
 SEQUENCE_TILE = 2048  # positions per program of the sequence kernel (slots x span)
+MAX_SPAN = 4096  # positions of one slot in the sequence kernel (longer: the torch ops)
 # Set before Triton is imported, Triton's interpreter runs the kernel on CPU tensors (the tests).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -201,10 +204,12 @@ if triton is not None:  # the kernel's annotations need Triton
             row_there = tl.sum(tl.where(at_first, guess, 0), axis=1)
             ends_there = tl.sum(tl.where(at_first & (after == guess), 1, 0), axis=1) > 0
             rows = tl.where(k[None, :] <= first[:, None], guess, row_there[:, None])
-            out = rows_ptr + i[:, None] * width + k[None, :]
-            tl.store(out, rows, mask=todo[:, None] & on_row)
-            # A break that is not an episode end: follow the links one by one from it.
+            # A break that is not an episode end: the links are followed one by one from it,
+            # and only that walk writes the rows past it (no two stores to one cell).
             walk = todo & (first < length) & ~ends_there
+            out = rows_ptr + i[:, None] * width + k[None, :]
+            past = walk[:, None] & (k[None, :] > first[:, None])
+            tl.store(out, rows, mask=todo[:, None] & on_row & ~past)
             if tl.max(walk.to(tl.int32), axis=0) > 0:
                 row = row_there
                 for j in range(0, length):
@@ -260,6 +265,7 @@ def nstep_windows(
     rewards: torch.Tensor,
     table: torch.Tensor | None = None,
     frame_stack: int | None = None,
+    powers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None:
     """``sampling._window_values`` on the storing device in one launch: the rows of both
     observations (``[2B]``), the values from ``reward`` to ``episode_id``, and with
@@ -267,7 +273,8 @@ def nstep_windows(
     ``[2B, k]``, as :func:`stack_rows`); or None where it does not apply (no Triton, CPU
     tensors, a reward that is not 1-D float32 or float64, index columns that are not
     contiguous int64, outputs past int32 offsets). ``table``: ``start`` holds places in it
-    (the packed anchor rows), looked up in the kernel."""
+    (the packed anchor rows), looked up in the kernel. ``powers``: the reward and discount
+    powers to read (a captured graph's, kept alive with it), else looked up in their caches."""
     device = start.device
     if not _runs_on(start) or n_max < 1:
         return None
@@ -292,11 +299,14 @@ def nstep_windows(
     discount = torch.empty(batch, dtype=torch.float32, device=device)
     if batch:
         n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
-        reward_powers = torch_reward_powers(gamma, n_max, rewards.dtype, device)
+        reward_powers, discounts = powers or (
+            torch_reward_powers(gamma, n_max, rewards.dtype, device),
+            discount_powers(gamma, n_max, device),
+        )
         with _current(device):
             _nstep_windows_kernel[(triton_cdiv(batch, BLOCK),)](
                 start, start if table is None else table, n_column, *columns, prev_row,
-                rewards, reward_powers, discount_powers(gamma, n_max, device), ints, total,
+                rewards, reward_powers, discounts, ints, total,
                 flags, discount, batch, n_max if not per_sample else 0, n_max,
                 PICK=table is not None, PER_SAMPLE=per_sample, ONE_STEP=n_max == 1,
                 F64=rewards.dtype == torch.float64, K=k, BLOCK=BLOCK,
@@ -349,11 +359,13 @@ class Walk(NamedTuple):
     found: torch.Tensor | None  # [B] bool: a strict draw found a start (the kernel's walks)
 
 
-def walks(links: Any, rows: torch.Tensor) -> bool:
-    """Whether :func:`sequences` takes these row links and anchor rows (or anchor table): on
-    a device it runs on, contiguous int64 (checked before drawing, so that a declined draw
-    leaves the generator as it was)."""
-    return _runs_on(rows) and _long_columns(rows, links.succ, links.step, links.episode)
+def walks(links: Any, rows: torch.Tensor, length: int = 1) -> bool:
+    """Whether :func:`sequences` takes these row links and anchor rows (or anchor table), for
+    sequences of ``length``: on a device it runs on, contiguous int64, a span under MAX_SPAN
+    (checked before drawing, so that a declined draw leaves the generator as it was)."""
+    if length >= MAX_SPAN or not _runs_on(rows):
+        return False
+    return _long_columns(rows, links.succ, links.step, links.episode)
 
 
 def sequences(
@@ -368,8 +380,8 @@ def sequences(
         return None
     batch, tries = draws.shape
     assert strict or tries == 1, "a draw that is not strict takes its one candidate"
-    if not _int32_offsets(4 * batch * (length + 1) + batch * tries):
-        return None
+    if length >= MAX_SPAN or not _int32_offsets(4 * batch * (length + 1) + batch * tries):
+        return None  # a span past MAX_SPAN: the torch ops' jump tables
     device = draws.device
     cells = batch * length
     rows = torch.empty((batch, length + 1), dtype=torch.long, device=device)

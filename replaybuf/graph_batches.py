@@ -2,12 +2,10 @@
 
 The batches are :func:`replaybuf.sampling.nstep_batch`'s and
 :func:`replaybuf.sampling.sequence_batch`'s, with the fused kernels' walks (the torch ops they
-replace read jump tables rebuilt outside any graph, so they are never captured); only the draw
-differs: :meth:`replaybuf.graphs.BatchGraphs.draw` draws Philox bits on the device against the
-anchor count there, where :meth:`replaybuf.anchors.AnchorSet.draw_places` draws from the
-buffer's torch generator against the count on the host. Both are uniform; a seed gives other
-batches with graphs than without. A random n (``n=(low, high)``) is not graphed: its draw
-takes the torch generator.
+replace read jump tables rebuilt outside any graph, so they are never captured), from places
+drawn by :meth:`replaybuf.graphs.BatchGraphs.draw`, as the buffer draws them when no graph
+serves a batch: the same batches either way. A random n (``n=(low, high)``) is not graphed:
+its draw takes the torch generator.
 """
 
 from __future__ import annotations
@@ -48,14 +46,16 @@ def graphed_nstep(
     if table is None:
         return None
     reward = core.slots.column(("reward",))
+    # The kernel reads these, passed in: kept alive with the graph (their caches may drop them)
     powers = (
-        discount_powers(gamma, n, table.device),
         torch_reward_powers(gamma, n, reward.dtype, table.device),
-    )  # read by the kernel: kept alive with the graph (their caches may drop them)
+        discount_powers(gamma, n, table.device),
+    )
 
     def build() -> tuple[None, list[torch.Tensor]]:
         places = graphs.draw((batch_size,))
-        return None, nstep_values(core, places, n, gamma, device, None, table, True)
+        values = nstep_values(core, places, n, gamma, device, None, table, True, powers)
+        return None, values
 
     key = ("n_step", batch_size, n, float(gamma))
     out = graphs.run(key, [*_inputs(core, table), *powers], core.anchors.count, build)
@@ -77,7 +77,7 @@ def graphed_sequences(
     ``STRICT_TRIES`` candidates per slot, and one host synchronisation that reads whether
     every slot found a start; ``generator`` redraws a slot that found none), or None as
     :func:`graphed_nstep`."""
-    table = _table(core, graphs, device)
+    table = _table(core, graphs, device, length)
     if table is None:
         return None
     tries = STRICT_TRIES if strict else 1
@@ -105,15 +105,18 @@ def graphed_sequences(
     return batch
 
 
-def _table(core: EpisodeCore, graphs: BatchGraphs, device: torch.device) -> torch.Tensor | None:
+def _table(
+    core: EpisodeCore, graphs: BatchGraphs, device: torch.device, length: int = 1
+) -> torch.Tensor | None:
     """The packed anchor rows, brought up to date, where a graph may serve the batch: CUDA
-    storage delivering on its own device, uniform draws, the fused kernels running there."""
+    storage delivering on its own device, uniform draws, the fused kernels running there
+    (for sequences of ``length``)."""
     if not graphs.enabled(device) or device != core.slots.storing_device:
         return None
     if core.priorities is not None or core.links.host is not None or core.anchors.on_host:
         return None
     table = core.anchors.rows  # publishes pending anchor writes (never inside a capture)
-    return table if fused_walks(core.links, table) else None
+    return table if fused_walks(core.links, table, length) else None
 
 
 def _inputs(core: EpisodeCore, table: torch.Tensor) -> list[torch.Tensor]:

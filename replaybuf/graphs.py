@@ -22,8 +22,11 @@ What a replay must not get wrong, and how it does not:
   copy); the values handed out are views of the clone, so a batch the caller keeps never
   changes.
 - A key is captured the third time it is asked for (a one-off batch size never pays for a
-  capture), at most :data:`LIMIT` graphs are kept (least recently used dropped), and a key whose
-  capture failed (an op that cannot be captured) is never tried again.
+  capture), at most :data:`LIMIT` graphs are kept (least recently used dropped; a key dropped
+  twice is not captured again), and a key whose capture failed (an op that cannot be
+  captured: a warning says which) is never tried again.
+- Replays and draws on another stream than the last one wait for it: every graph shares the
+  count, the round and (per key) its static outputs.
 
 ``REPLAYBUF_CUDA_GRAPHS=0`` switches graphs off.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -42,7 +46,7 @@ import torch
 from replaybuf import fused
 
 GRAPHS_ENV = "REPLAYBUF_CUDA_GRAPHS"  # "0": never capture
-CAPTURE_AT = 3  # a key is captured the time it is asked for
+CAPTURE_AT = 3  # a key is captured the third time it is asked for
 LIMIT = 8  # graphs kept per buffer
 # Batches above this many bytes run uncaptured: the launches a graph saves weigh nothing
 # beside their copies, and a graph holds its outputs twice (static and packed).
@@ -68,22 +72,29 @@ class _Entry:
     packed: torch.Tensor  # the static outputs' bytes (uint8)
     parts: list[Part]
     outputs: int  # how many
-    stream: int | None = None  # the stream of the last replay (its cuda_stream handle)
 
 
 class BatchGraphs:
-    """One buffer's captured batch graphs, by key (what the batch asks for)."""
+    """One buffer's captured batch graphs, by key (what the batch asks for), and the device
+    draws they replay (which the buffer's uncaptured batches make too, so that a batch does
+    not depend on whether a graph served it)."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, rounds: int = 0) -> None:
         self.device = device
         self.seed = seed  # the draws' Philox key (under 2^63)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # the anchor count
-        self.rounds = torch.zeros((), dtype=torch.long, device=device)  # draws so far
+        self.rounds = torch.full((), rounds, dtype=torch.long, device=device)  # draws so far
         self._count = 0  # what count holds (its writes are stream-ordered, never read back)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._asked: dict[Hashable, int] = {}
+        self._evicted: dict[Hashable, int] = {}
         self._failed: set[Hashable] = set()
         self._lock = threading.Lock()
+        # The stream of the last replay or draw: count, rounds and the static outputs are
+        # shared by every graph, so work on another stream waits for it (rare: kept as a
+        # torch stream, which also keeps a stream made by torch alive).
+        self._stream: torch.cuda.Stream | None = None
+        self._stream_handle: int | None = None
 
     @staticmethod
     def enabled(device: torch.device) -> bool:
@@ -98,6 +109,22 @@ class BatchGraphs:
             raise NotCapturable("the draw kernel does not run here")
         self.rounds.add_(1)
         return places
+
+    def places(self, shape: tuple[int, ...], count: int) -> torch.Tensor | None:
+        """:meth:`draw` outside any graph (``count``: the anchor count now), or None where the
+        draw kernel does not run (no Triton, switched off)."""
+        with self._lock:
+            self._order_after_last()
+            self._write_count(count)
+            try:
+                return self.draw(shape)
+            except NotCapturable:
+                return None
+
+    def round(self) -> int:
+        """The draws made so far (reads the device: for checkpoints)."""
+        with self._lock:
+            return int(self.rounds)
 
     def run(
         self, key: Hashable, inputs: Sequence[torch.Tensor], count: int, build: Build
@@ -114,18 +141,12 @@ class BatchGraphs:
             if entry is not None and entry.signature != signature:
                 self._drop(key)  # an input moved: capture again, from now
                 entry = None
-            if entry is None and self._asked.get(key, 0) + 1 < CAPTURE_AT:
-                self._asked[key] = self._asked.get(key, 0) + 1
-                return None
-            stream = _raw_stream(self.device)
-            # Another stream's copies may still read the static outputs or the count.
-            for other in self._entries.values() if entry is None else [entry]:
-                if stream is not None and other.stream not in (None, stream):
-                    current = torch.cuda.current_stream(self.device)
-                    current.wait_stream(torch.cuda.ExternalStream(other.stream, self.device))
-            if count != self._count:
-                self.count.fill_(count)  # a launch, in stream order with the replays
-                self._count = count
+            if entry is None:
+                asked = self._asked[key] = self._asked.get(key, 0) + 1
+                if asked < CAPTURE_AT:
+                    return None
+            self._order_after_last()
+            self._write_count(count)
             if entry is None:
                 entry = self._capture(key, inputs, signature, build)
                 if entry is None:
@@ -133,7 +154,6 @@ class BatchGraphs:
             else:
                 self._entries.move_to_end(key)
                 entry.graph.replay()
-            entry.stream = stream
             return entry.meta, _unpack(entry)
 
     def clear(self) -> None:
@@ -142,6 +162,22 @@ class BatchGraphs:
             for key in list(self._entries):
                 self._drop(key)
             self._asked.clear()
+
+    def _order_after_last(self) -> None:
+        """Order the current stream after the last replay's or draw's (a no-op on the same
+        stream: one handle read, ~0.3 µs)."""
+        handle = _raw_stream(self.device)
+        if handle is None or handle == self._stream_handle:
+            return
+        current = torch.cuda.current_stream(self.device)
+        if self._stream is not None:
+            current.wait_stream(self._stream)
+        self._stream, self._stream_handle = current, handle
+
+    def _write_count(self, count: int) -> None:
+        if count != self._count:
+            self.count.fill_(count)  # a launch, in stream order with the replays
+            self._count = count
 
     def _drop(self, key: Hashable) -> None:
         entry = self._entries.pop(key)
@@ -157,16 +193,30 @@ class BatchGraphs:
         filled) and replay it once; None, and the key marked failed, where it cannot be."""
         try:
             entry = _capture(self.device, build, inputs, signature)
-        except (NotCapturable, RuntimeError):
-            # NotCapturable: a path that reads the host; RuntimeError: CUDA refused an op
-            # during capture.
+        except NotCapturable:  # a path that reads the host (the kernels declined, say)
+            entry = None
+        except torch.cuda.OutOfMemoryError:
+            raise  # the uncaptured batch would need the memory too: the caller should know
+        except RuntimeError as error:  # CUDA refused an op during capture
+            warnings.warn(
+                f"replaybuf: batches {key!r} run without a CUDA graph: {error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             entry = None
         if entry is None:
             self._failed.add(key)
             return None
         self._entries[key] = entry
         while len(self._entries) > LIMIT:
-            self._drop(next(iter(self._entries)))
+            # Least recently used out; a key evicted twice (more keys in turn than LIMIT)
+            # stops being graphed rather than being captured again and again.
+            evicted = next(iter(self._entries))
+            self._drop(evicted)
+            self._asked.pop(evicted, None)
+            self._evicted[evicted] = self._evicted.get(evicted, 0) + 1
+            if self._evicted[evicted] >= 2:
+                self._failed.add(evicted)
         return entry
 
 
@@ -180,23 +230,24 @@ def _capture(
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)  # capture needs a stream other than the default one
     side.wait_stream(current)
-    with torch.cuda.stream(side):
-        _, warm = build()  # outside the graph: compiles, fills caches, sizes the outputs
-        if sum(t.numel() * t.element_size() for t in warm) > MAX_BYTES:
-            current.wait_stream(side)
-            return None
-        del warm
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            meta, outputs = build()
-            packed, parts = _pack(outputs)
-        finally:
-            graph.capture_end()
-        count = len(outputs)
-        del outputs  # what the packed copy holds
-        graph.replay()
-    current.wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            _, warm = build()  # outside the graph: compiles, fills caches, sizes the outputs
+            if sum(t.numel() * t.element_size() for t in warm) > MAX_BYTES:
+                return None
+            del warm
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                meta, outputs = build()
+                packed, parts = _pack(outputs)
+            finally:
+                graph.capture_end()
+            count = len(outputs)
+            del outputs  # what the packed copy holds
+            graph.replay()
+    finally:  # the side stream's work (a draw's round at least) before anything after
+        current.wait_stream(side)
     return _Entry(graph, inputs, signature, meta, packed, parts, count)
 
 

@@ -59,10 +59,14 @@ class DeviceMirror:
 
     def publish(self) -> None:
         """Send the values at every pending index: one copy to the device, one kernel."""
+        if not self._everything and not self._pending:
+            return
+        if self.table.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A graph would replay this copy of values from now (replaybuf.graphs publishes
+            # before it captures): refuse, and the capture fails instead.
+            raise RuntimeError("a device copy of host columns was published during a capture")
         if self._everything:
             self._publish_all()
-            return
-        if not self._pending:
             return
         at = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         sent = torch.empty((len(self.columns) + 1, at.shape[0]), dtype=torch.long)

@@ -45,6 +45,8 @@ from replaybuf.schema import Key
 from replaybuf.storage import Part, build_tensordict
 
 NArg = int | tuple[int, int]
+# Uniform places in the packed anchor rows for a shape, and those rows (a buffer's draw)
+Draw = Callable[[tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]]
 Values = torch.Tensor | np.ndarray  # index math results: numpy on the host paths
 
 
@@ -194,11 +196,13 @@ def nstep_values(
     generator: torch.Generator | None,
     table: torch.Tensor | None = None,
     fused_only: bool = False,
+    powers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`nstep_batch`'s values, in :func:`nstep_keys`' order (``generator``: a random
     n's draws; None for a fixed n). ``fused_only`` (a graph's capture): raise
     :class:`~replaybuf.graphs.NotCapturable` where the fused kernel declines (the torch ops'
-    jump tables and caches are rebuilt outside any graph)."""
+    jump tables and caches are rebuilt outside any graph); ``powers``: the kernel's reward and
+    discount powers (see :func:`replaybuf.fused.nstep_windows`)."""
     batch = start.shape[0]
     if isinstance(n, tuple):
         low, high = n
@@ -208,7 +212,9 @@ def nstep_values(
         n_max = high
     else:
         n_each = n_max = n
-    ends, info, stacks = _window_values(core, start, n_each, n_max, gamma, table, fused_only)
+    ends, info, stacks = _window_values(
+        core, start, n_each, n_max, gamma, table, fused_only, powers
+    )
     if table is not None:  # the anchor rows, looked up where start held places in table
         start = _tensor(ends)[:batch]
     obs_keys, step_keys = _keys(core, "observation"), _keys(core, "action", "extras")
@@ -410,6 +416,7 @@ def _window_values(
     gamma: float,
     table: torch.Tensor | None = None,
     fused_only: bool = False,
+    powers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Values, list[Values], tuple[torch.Tensor, torch.Tensor] | None]:
     """Each anchor's window: the rows of its two observations (``[2B]``, starts then ends),
     its values in ``nstep_batch``'s key order, ``reward`` to ``episode_id``, and the frame
@@ -445,7 +452,7 @@ def _window_values(
     if host is None:
         reward_column = core.slots.column(("reward",))
         fused = fused_nstep_windows(
-            start, n_each, n_max, gamma, links, reward_column, table, core.frame_stack
+            start, n_each, n_max, gamma, links, reward_column, table, core.frame_stack, powers
         )
         if fused is not None:  # one launch for the ops below (CUDA storage, Triton installed)
             return fused
@@ -740,15 +747,21 @@ def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch
 
 
 def draw_sequences(
-    core: EpisodeCore, batch_size: int, length: int, strict: bool, generator: torch.Generator
+    core: EpisodeCore,
+    batch_size: int,
+    length: int,
+    strict: bool,
+    generator: torch.Generator,
+    draw: Draw | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Walk | None]:
     """Anchors for a sequence batch, their importance weights (prioritized buffers), and the
-    fused kernel's walk of them where it drew them (CUDA storage, uniform draws).
+    fused kernel's walk of them where it drew them (CUDA storage, uniform draws; ``draw``
+    gives its places, else :meth:`AnchorSet.draw_places` with ``generator``).
 
     ``strict`` draws only anchors with ``length`` steps ahead (:func:`sample_sequence_starts`),
     else any valid step (the batch is padded).
     """
-    walk = _fused_draw(core, batch_size, length, strict, generator)
+    walk = _fused_draw(core, batch_size, length, strict, generator, draw)
     if walk is not None:
         return walk.start, None, walk
     if not strict:
@@ -763,25 +776,34 @@ STRICT_TRIES = 8  # a strict draw's candidates per slot in the fused kernel
 
 
 def _fused_draw(
-    core: EpisodeCore, batch_size: int, length: int, strict: bool, generator: torch.Generator
+    core: EpisodeCore,
+    batch_size: int,
+    length: int,
+    strict: bool,
+    generator: torch.Generator,
+    draw: Draw | None = None,
 ) -> Walk | None:
     """A uniform draw and its walk in one kernel launch, or None where the kernel does not
     apply (CPU storage, priorities, no Triton).
 
-    Not strict, each slot draws one place in the packed anchor rows: the same draws as
-    :meth:`AnchorSet.sample`. Strict, each slot takes the first of ``STRICT_TRIES`` draws with
-    ``length`` steps ahead: rejection sampling, exact. One host synchronisation reads whether
-    every slot found one; the few that did not (each with probability (1 - p)^8 where p is the
-    share of anchors that qualify) go on with :func:`sample_sequence_starts`, which continues
-    the same rejection (and raises when no anchor qualifies).
+    Not strict, each slot draws one place in the packed anchor rows (``draw``'s, else the
+    same draws as :meth:`AnchorSet.sample`). Strict, each slot takes the first of
+    ``STRICT_TRIES`` draws with ``length`` steps ahead: rejection sampling, exact. One host
+    synchronisation reads whether every slot found one; the few that did not (each with
+    probability (1 - p)^8 where p is the share of anchors that qualify) go on with
+    :func:`sample_sequence_starts`, which continues the same rejection (and raises when no
+    anchor qualifies).
     """
     anchors = core.anchors
     if core.priorities is not None or core.links.host is not None or anchors.count == 0:
         return None
-    if not fused_walks(core.links, anchors.rows):
+    if not fused_walks(core.links, anchors.rows, length):
         return None
     tries = STRICT_TRIES if strict else 1
-    places, table = anchors.draw_places((batch_size, tries), generator)
+    if draw is None:
+        places, table = anchors.draw_places((batch_size, tries), generator)
+    else:
+        places, table = draw((batch_size, tries))
     walk = fused_sequences(places, table, length, core.links, strict)
     if walk is None or not strict:
         return walk

@@ -398,6 +398,20 @@ def test_gpus_triton_does_not_build_for_keep_the_torch_ops(monkeypatch, capabili
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(fused.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("length", [80, 300, 1000])
+def test_long_sequences_in_the_compiled_kernel_match_the_torch_ops(strict, length):
+    # Rows of one slot span several warps: the guessed rows, a break and the walk from it,
+    # and an episode end all land in one program.
+    layout = [(1200, "terminated"), (700, None), (90, "truncated"), (400, None)]
+    with filled(layout, torch.float32, 2_000, "cuda") as buf:
+        buf._core.flush()
+        compare_sequences(buf, length, strict, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(fused.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("length", [1, 4, 13])
 def test_the_compiled_sequence_kernel_matches_the_torch_ops_on_cuda(strict, length):
     layout = [(9, "terminated"), (4, None), (7, "truncated"), (1, "terminated"), (12, None)]

@@ -253,7 +253,9 @@ def test_graphed_batches_in_the_interpreter_agree_with_the_reference(frame_stack
 
 def stand_in_graphs() -> contextlib.AbstractContextManager:
     """Mirrored CPU buffers (CUDA storage's path) whose batches the stand-in capture serves."""
-    cuda_or_cpu = staticmethod(lambda device: device.type in ("cuda", "cpu"))
+    cuda_or_cpu = staticmethod(
+        lambda device: device.type in ("cuda", "cpu") and os.environ.get(graphs.GRAPHS_ENV) != "0"
+    )
     stack = contextlib.ExitStack()
     stack.enter_context(mirrored())
     stack.enter_context(mock.patch.object(graphs, "_capture", fake_capture))
@@ -428,4 +430,83 @@ def test_graphs_switched_off_capture_nothing():
         for _ in range(CAPTURE_AT + 2):
             buf.sample_n_step(32, 3)
             buf.sample_sequences(8, 4)
-        assert not buf._batch_graphs or not buf._batch_graphs._entries
+        assert buf._batch_graphs is not None  # the device draws ran
+        assert not buf._batch_graphs._entries
+
+
+def fill_for_draws(buf: SyncEpisodeReplayBuffer) -> None:
+    """Five episodes of 7 to 30 steps, appended side by side (one still running)."""
+    lengths = [7, 30, 12, 25, 18]
+    ids = [buf.start_episode() for _ in lengths]
+    for t in range(max(lengths)):
+        live = [(i, e) for i, e in enumerate(ids) if lengths[i] > t]
+        for i, e in live:
+            buf.append_observation_action_reward(e, torch.tensor([e, t]), t % 3, float(t))
+            if lengths[i] == t + 1 and i != 1:
+                buf.end_episode(e, "terminated", torch.tensor([e, t + 1]))
+
+
+def batches(buf: SyncEpisodeReplayBuffer, calls: int) -> list:
+    """``calls`` rounds of the graphed kinds of batch (the first ones uncaptured)."""
+    out = []
+    for _ in range(calls):
+        out.append(buf.sample_n_step(16, 3, 0.9))
+        out.append(buf.sample_sequences(6, 4))
+        out.append(buf.sample_sequences(6, 9, strict=False))
+    return out
+
+
+def assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.batch_size == b.batch_size
+        assert (a.cpu() == b.cpu()).all()
+
+
+def same_draws_with_and_without_graphs(device: str, tmp_path) -> None:
+    """Two buffers of one seed, one without graphs, serve the same batches (the uncaptured
+    batches draw on the device as the graphs do); a checkpoint continues them."""
+    kwargs = {"device": device, "storing_device": device, "storage": "tensor", "seed": 5}
+    on, off = (SyncEpisodeReplayBuffer(200, **kwargs) for _ in range(2))
+    with on, off:
+        fill_for_draws(on)
+        fill_for_draws(off)
+        with_graphs = batches(on, CAPTURE_AT + 3)
+        with mock.patch.dict(os.environ, {graphs.GRAPHS_ENV: "0"}):
+            without = batches(off, CAPTURE_AT + 3)
+        assert on._batch_graphs._entries
+        assert not off._batch_graphs._entries
+        assert_same_batches(with_graphs, without)
+        on.save_checkpoint(tmp_path / "ckpt")
+        going_on = batches(on, CAPTURE_AT + 2)
+    with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ckpt") as loaded:
+        assert_same_batches(batches(loaded, CAPTURE_AT + 2), going_on)
+
+
+@INTERPRETED
+def test_in_the_interpreter_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
+    with stand_in_graphs():
+        same_draws_with_and_without_graphs("cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
+    same_draws_with_and_without_graphs("cuda", tmp_path)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replays_on_two_streams_share_the_draw_round_in_order():
+    with filled() as buf:
+        side = torch.cuda.Stream()
+        for call in range(3 * CAPTURE_AT):  # keys captured on one stream, replayed on both
+            with torch.cuda.stream(side) if call % 2 else contextlib.nullcontext():
+                buf.sample_n_step(32, 3)
+                buf.sample_sequences(8, 4, strict=False)
+        torch.cuda.synchronize()
+        rounds_now = buf._batch_graphs.round()
+        buf.sample_n_step(32, 3)
+        buf.sample_sequences(8, 4, strict=False)
+        torch.cuda.synchronize()
+        assert buf._batch_graphs.round() == rounds_now + 2  # every replay drew its own round
