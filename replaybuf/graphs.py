@@ -192,7 +192,7 @@ class BatchGraphs:
         """Capture ``build`` (after one run outside the graph: kernels compiled, caches
         filled) and replay it once; None, and the key marked failed, where it cannot be."""
         try:
-            entry = _capture(self.device, build, inputs, signature)
+            entry = _capture(self.device, build, inputs, signature, self.rounds)
         except NotCapturable:  # a path that reads the host (the kernels declined, say)
             entry = None
         except torch.cuda.OutOfMemoryError:
@@ -225,17 +225,17 @@ def _capture(
     build: Build,
     inputs: tuple[torch.Tensor, ...],
     signature: tuple[int, ...],
+    rounds: torch.Tensor,
 ) -> _Entry | None:
-    """A captured, once-replayed graph of ``build``; None when its outputs are too large."""
+    """A captured, once-replayed graph of ``build`` (its draws advance ``rounds``); None when
+    its outputs are too large."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)  # capture needs a stream other than the default one
     side.wait_stream(current)
     try:
         with torch.cuda.stream(side):
-            _, warm = build()  # outside the graph: compiles, fills caches, sizes the outputs
-            if sum(t.numel() * t.element_size() for t in warm) > MAX_BYTES:
+            if warm_up(build, rounds) > MAX_BYTES:
                 return None
-            del warm
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -249,6 +249,16 @@ def _capture(
     finally:  # the side stream's work (a draw's round at least) before anything after
         current.wait_stream(side)
     return _Entry(graph, inputs, signature, meta, packed, parts, count)
+
+
+def warm_up(build: Build, rounds: torch.Tensor) -> int:
+    """Run ``build`` once outside any graph (its kernels compiled, caches filled) and return
+    its outputs' bytes, leaving the draws' round as it was: the replay after the capture makes
+    this batch's draw, the one an uncaptured batch would have made."""
+    before = rounds.clone()
+    _, outputs = build()
+    rounds.copy_(before)
+    return sum(t.numel() * t.element_size() for t in outputs)
 
 
 def _pack(outputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[Part]]:
