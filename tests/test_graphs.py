@@ -24,6 +24,7 @@ from episode_program import Program
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+from tensordict import TensorDictBase
 from test_cuda import Arrived
 from test_fused import INTERPRETED
 
@@ -274,10 +275,10 @@ def add_episode(buf: SyncEpisodeReplayBuffer, e: int, length: int) -> None:
     buf.end_episode(eid, "terminated", torch.tensor([e, length]))
 
 
-def graphed_draws_are_uniform(buf: SyncEpisodeReplayBuffer, batches: int) -> None:
-    """Episodes of 5 and 9 steps, then (graphs captured) one of 13: the graphed n-step and
-    padded sequence draws cover the 27 valid steps uniformly (a stale count would miss the
-    new episode's)."""
+def graphed_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set, Counter]:
+    """Episodes of 5 and 9 steps, then (graphs captured) one of 13: the graph keys and how
+    often each (episode, step) started a graphed n-step or padded sequence batch (a stale
+    count would miss the new episode's steps)."""
     with buf:
         add_episode(buf, 0, 5)
         add_episode(buf, 1, 9)
@@ -298,19 +299,20 @@ def graphed_draws_are_uniform(buf: SyncEpisodeReplayBuffer, batches: int) -> Non
                 strict=True,
             )
             counts.update(starts)
-        assert set(buf._batch_graphs._entries) == {
-            ("n_step", 64, 1, 0.99),
-            ("sequences", 64, 2, False),
-        }
-        assert len(counts) == 27
-        assert chisquare(list(counts.values())).pvalue > 1e-4
+        return set(buf._batch_graphs._entries), counts
+
+
+GRAPHED = {("n_step", 64, 1, 0.99), ("sequences", 64, 2, False)}
 
 
 @INTERPRETED
 def test_graphed_draws_in_the_interpreter_follow_the_anchor_count():
     with stand_in_graphs():
         buf = SyncEpisodeReplayBuffer(100, device="cpu", storing_device="cpu", seed=1)
-        graphed_draws_are_uniform(buf, 60)
+        keys, counts = graphed_draw_counts(buf, 60)
+    assert keys == GRAPHED
+    assert len(counts) == 27  # every valid step, the new episode's too
+    assert chisquare(list(counts.values())).pvalue > 1e-4
 
 
 def test_graphs_are_only_for_cuda_and_can_be_switched_off():
@@ -404,7 +406,10 @@ def test_batches_kept_by_the_caller_never_change():
 @needs_cuda
 def test_graphed_draws_are_uniform_over_the_valid_steps():
     buf = SyncEpisodeReplayBuffer(100, device="cuda", storing_device="cuda", seed=1)
-    graphed_draws_are_uniform(buf, 100)
+    keys, counts = graphed_draw_counts(buf, 100)
+    assert keys == GRAPHED
+    assert len(counts) == 27
+    assert chisquare(list(counts.values())).pvalue > 1e-4
 
 
 @pytest.mark.gpu
@@ -422,9 +427,12 @@ def test_graphed_batches_never_wait_for_the_gpu():
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                call()
+                batch = call()  # raises at a host synchronisation
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            assert batch.device.type == "cuda"
+        assert ("n_step", 32, 3, 0.9) in buf._batch_graphs._entries
+        assert ("sequences", 8, 4, False) in buf._batch_graphs._entries
 
 
 @pytest.mark.gpu
@@ -460,16 +468,14 @@ def batches(buf: SyncEpisodeReplayBuffer, calls: int) -> list:
     return out
 
 
-def assert_same_batches(got: list, want: list) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        assert a.batch_size == b.batch_size
-        assert (a.cpu() == b.cpu()).all()
+def same_batch(a: TensorDictBase, b: TensorDictBase) -> bool:
+    return a.batch_size == b.batch_size and bool((a.cpu() == b.cpu()).all())
 
 
-def same_draws_with_and_without_graphs(device: str, tmp_path) -> None:
-    """Two buffers of one seed, one without graphs, serve the same batches (the uncaptured
-    batches draw on the device as the graphs do); a checkpoint continues them."""
+def draws_with_and_without_graphs(device: str, tmp_path) -> tuple[bool, bool, list, list]:
+    """Two buffers of one seed, one without graphs: whether each captured graphs, their
+    batches side by side, and the batches after a checkpoint beside the saved buffer's next
+    ones."""
     kwargs = {"device": device, "storing_device": device, "storage": "tensor", "seed": 5}
     on, off = (SyncEpisodeReplayBuffer(200, **kwargs) for _ in range(2))
     with on, off:
@@ -478,25 +484,36 @@ def same_draws_with_and_without_graphs(device: str, tmp_path) -> None:
         with_graphs = batches(on, CAPTURE_AT + 3)
         with mock.patch.dict(os.environ, {graphs.GRAPHS_ENV: "0"}):
             without = batches(off, CAPTURE_AT + 3)
-        assert on._batch_graphs._entries
-        assert not off._batch_graphs._entries
-        assert_same_batches(with_graphs, without)
+        captured = (bool(on._batch_graphs._entries), bool(off._batch_graphs._entries))
         on.save_checkpoint(tmp_path / "ckpt")
         going_on = batches(on, CAPTURE_AT + 2)
     with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ckpt") as loaded:
-        assert_same_batches(batches(loaded, CAPTURE_AT + 2), going_on)
+        resumed = batches(loaded, CAPTURE_AT + 2)
+    return (*captured, list(zip(with_graphs, without, strict=True)),
+            list(zip(resumed, going_on, strict=True)))  # fmt: skip
 
 
 @INTERPRETED
 def test_in_the_interpreter_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
+    # The uncaptured batches draw on the device as the graphs do: graphs change no batch.
     with stand_in_graphs():
-        same_draws_with_and_without_graphs("cpu", tmp_path)
+        on, off, side_by_side, resumed = draws_with_and_without_graphs("cpu", tmp_path)
+    assert on
+    assert not off
+    assert len(side_by_side) == 3 * (CAPTURE_AT + 3)
+    assert all(same_batch(a, b) for a, b in side_by_side)
+    assert all(same_batch(a, b) for a, b in resumed)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
-    same_draws_with_and_without_graphs("cuda", tmp_path)
+    on, off, side_by_side, resumed = draws_with_and_without_graphs("cuda", tmp_path)
+    assert on
+    assert not off
+    assert len(side_by_side) == 3 * (CAPTURE_AT + 3)
+    assert all(same_batch(a, b) for a, b in side_by_side)
+    assert all(same_batch(a, b) for a, b in resumed)
 
 
 @pytest.mark.gpu
