@@ -431,7 +431,7 @@ def test_graphed_batches_never_wait_for_the_gpu():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert batch.device.type == "cuda"
-        assert ("n_step", 32, 3, 0.9) in buf._batch_graphs._entries
+        assert ("n_step", 32, 3, 0.99) in buf._batch_graphs._entries
         assert ("sequences", 8, 4, False) in buf._batch_graphs._entries
 
 
