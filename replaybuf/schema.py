@@ -265,9 +265,14 @@ def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -
             return None
         size = value.shape
         if batched:
-            if not size or size[1:] != shape or (rows >= 0 and size[0] != rows):
+            if rows < 0:  # the first leaf fixes the row count
+                if not size:
+                    return None
+                rows = size[0]
+            # One compare with a tuple: torch.Size slicing (size[1:]) builds a new Size, which
+            # costs about twice as much (~0.5 µs of a 4-field match).
+            if size != (rows, *shape):
                 return None
-            rows = size[0]
         elif size != shape:
             return None
         # to_leaves detaches every tensor; one that needs no grad is the same data as is.

@@ -319,7 +319,9 @@ FLAT_CASES = {
     "same numel, other shape": _with(_flat(), obs=torch.zeros(3, 2, 2)),
     "one row without its batch dim": _with(_flat(), obs=torch.zeros(4)),
     "0-d tensor": _with(_flat(), reward=torch.tensor(1.0)),
+    "0-d first field": _with(_flat(), obs=torch.tensor(1.0)),  # before any row count is known
     "rows disagree": _with(_flat(), reward=torch.zeros(2)),
+    "first field's rows disagree": _with(_flat(), obs=torch.zeros(2, 4)),
     "python number": _with(_flat(), reward=1.0),
     "meta tensor": _with(_flat(), obs=torch.zeros(3, 4, device="meta")),
     "sparse tensor": _with(_flat(), reward=torch.ones(3).to_sparse()),  # not the first field
