@@ -22,6 +22,7 @@ from replaybuf import episode_checkpoint, metadata
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
+from replaybuf.fused import Redraw
 from replaybuf.graph_batches import graphed_nstep, graphed_sequences
 from replaybuf.graphs import BatchGraphs
 from replaybuf.iterators import epoch_batches, epoch_order
@@ -295,16 +296,17 @@ class SyncEpisodeReplayBuffer:
             return self._graph_seed, self._graph_rounds
         return self._graph_seed, self._batch_graphs.round()
 
-    def _places(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uniform places in the packed anchor rows, and those rows (CUDA storage): drawn on
-        the device where the draw kernel runs, as a graph's replay draws them (a batch does
-        not depend on whether a graph served it), else from the generator."""
+    def _places(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, Redraw | None]:
+        """Uniform places in the packed anchor rows, those rows (CUDA storage), and the device
+        draws' state where they made them: drawn on the device where the draw kernel runs, as a
+        graph's replay draws them (a batch does not depend on whether a graph served it), else
+        from the generator."""
         anchors = self._core.anchors
         table = anchors.rows
         places = self._graphs.places(shape, anchors.count)
         if places is None:
-            return anchors.draw_places(shape, self._generator)
-        return places, table
+            return *anchors.draw_places(shape, self._generator), None
+        return places, table, self._graphs.redraw
 
     def _require_steps(self, what: str) -> None:
         self._check_open()
@@ -339,7 +341,7 @@ class SyncEpisodeReplayBuffer:
             if graphed is not None:  # one replay of the launches below (see replaybuf.graphs)
                 return graphed
             # A uniform draw of places, the lookup left to the fused kernel (CUDA storage)
-            places, table = self._places((batch_size,))
+            places, table, _ = self._places((batch_size,))
             return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
         start, weight = draw_anchors(core, batch_size, replace, self._generator)
         batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
@@ -357,7 +359,7 @@ class SyncEpisodeReplayBuffer:
         core = self._core
         if core.priorities is None and not core.anchors.on_host:
             graphed = graphed_sequences(
-                core, self._graphs, batch_size, seq_len, strict, self.device, self._generator
+                core, self._graphs, batch_size, seq_len, strict, self.device
             )
             if graphed is not None:
                 return graphed

@@ -453,8 +453,25 @@ class EpisodeCore:
         # Observation fields fixed by a zero-step episode's final observation, before any step
         # fixed the whole spec: the first step's observation must match them.
         self._first_obs_spec: FieldSpec | None = None
+        # Per length, the last stored episode found with that many valid steps (holds_steps)
+        self._witness: dict[int, Episode] = {}
 
     # ----------------------------------------------------------------- lookup
+    def holds_steps(self, length: int) -> bool:
+        """Whether some stored episode has ``length`` valid steps, so that some anchor has
+        ``length`` steps ahead (a strict sequence can start there). O(1) while the episode
+        found last for this length is stored (its valid steps never shrink), else a scan from
+        the oldest episode."""
+        known = self._witness.get(length)
+        if known is not None and self.episodes.get(known.episode_id) is known:
+            return True
+        for episode in self.episodes.values():
+            if episode.valid_steps >= length:
+                self._witness[length] = episode
+                return True
+        self._witness.pop(length, None)
+        return False
+
     def live(self, episode_id: Any, action: str) -> Episode:
         """The stored episode ``episode_id``, or :class:`EpisodeStateError` naming why not."""
         if type(episode_id) is not int and (

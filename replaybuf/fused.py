@@ -8,7 +8,8 @@ about 1 µs of GPU work: a batch is bound by launches, not by the GPU. Each kern
 its whole job in one launch: the n-step window (with the anchor lookup and both observations'
 frame stacks), the frame-stack rows of given rows, and a sequence batch's walk (with its
 strict draw's choice). A fourth draws uniform places against an anchor count read on the
-device (what a captured graph replays, :mod:`replaybuf.graphs`).
+device (what a captured graph replays, :mod:`replaybuf.graphs`), and two more draw a strict
+sequence draw's unlucky slots again on the device (so that it needs no host synchronisation).
 
 Written by hand because torch has no such op, and ``torch.compile`` recompiles for new batch
 sizes and n, and takes seconds on the first batch. Triton ships with torch's CUDA builds on
@@ -165,6 +166,7 @@ if triton is not None:  # the kernel's annotations need Triton
         STRICT: tl.constexpr,
         SLOTS: tl.constexpr,
         SPAN: tl.constexpr,
+        REPAIR: tl.constexpr,
     ):
         """Per slot: its start (``draw`` itself, or ``table[draw]`` with PICK; STRICT: the first
         of its TRIES draws with ``length`` steps ahead), its ``length + 1`` rows (index.
@@ -177,9 +179,17 @@ if triton is not None:  # the kernel's annotations need Triton
         guesses row_k = row_0 + k·d (d = succ[row_0] - row_0) and checks every link of the
         guess at once: the rows are right up to the first link that breaks, and past it they
         repeat the row there when it is the episode's end (a self-loop). Only a slot whose
-        layout breaks elsewhere follows its links one by one, from the break."""
+        layout breaks elsewhere follows its links one by one, from the break.
+
+        REPAIR: a second launch on the same outputs that walks only the slots whose strict
+        tries all fell short, from the starts :func:`_pick_kernel` chose (``draw``, one per
+        slot; -1 where it chose none), leaving every other slot's values as they are."""
         i = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
         live = i < batch
+        if REPAIR:
+            had = tl.load(flags_ptr + 4 * batch * length + i, mask=live, other=1)
+            chosen = tl.load(draw_ptr + i, mask=live, other=-1)
+            live = live & (had == 0) & (chosen >= 0)
         k = tl.arange(0, SPAN)
         start = tl.zeros([SLOTS], tl.int64)
         found = i < 0  # all False
@@ -239,6 +249,95 @@ if triton is not None:  # the kernel's annotations need Triton
             found = found | (todo & last) if STRICT else live
         tl.store(flags_ptr + 4 * cells + i, found.to(tl.uint8), mask=live)
         tl.store(ints_ptr + 4 * cells + i, start, mask=live)
+
+    @triton.jit
+    def _full_steps(rows, mask, length, succ_ptr):
+        """Whether each of ``rows`` has ``length`` steps ahead in its episode: its walk still
+        moves at its last link (:func:`replaybuf.index.full_sequence_starts`)."""
+        row = rows
+        prev = rows
+        for _ in range(0, length):
+            prev = row
+            row = tl.load(succ_ptr + row, mask=mask, other=0)
+        return mask & (row != prev)
+
+    @triton.jit
+    def _missing(found_ptr, batch, BLOCK: tl.constexpr):
+        """How many slots of a strict draw found no start."""
+        missing = tl.zeros([], tl.int32)
+        for first in range(0, batch, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            found = tl.load(found_ptr + j, mask=j < batch, other=1)
+            missing += tl.sum((found == 0).to(tl.int32), axis=0)
+        return missing
+
+    @triton.jit
+    def _share(count_ptr, part, PARTS: tl.constexpr):
+        """The places ``[low, high)`` of the packed anchor rows that part ``part`` of PARTS
+        scans (the anchor count read on the device)."""
+        count = tl.load(count_ptr)
+        size = (count + PARTS - 1) // PARTS
+        low = part * size
+        return low, tl.minimum(low + size, count)
+
+    @triton.jit
+    def _count_full_kernel(
+        found_ptr, table_ptr, count_ptr, succ_ptr, counts_ptr, batch, length,
+        PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Per part of the packed anchor rows: how many have ``length`` steps ahead, counted
+        only where some slot of the strict draw found no start (else 0, nothing else read)."""
+        part = tl.program_id(0)
+        total = tl.zeros([], tl.int32)
+        if _missing(found_ptr, batch, BLOCK) > 0:
+            low, high = _share(count_ptr, part, PARTS)
+            for first in range(low, high, BLOCK):
+                place = first + tl.arange(0, BLOCK)
+                inside = place < high
+                rows = tl.load(table_ptr + place, mask=inside, other=0)
+                full = _full_steps(rows, inside, length, succ_ptr)
+                total += tl.sum(full.to(tl.int32), axis=0)
+        tl.store(counts_ptr + part, total)
+
+    @triton.jit
+    def _pick_kernel(
+        found_ptr, table_ptr, count_ptr, succ_ptr, counts_ptr, rounds_ptr, picks_ptr, seed,
+        length, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Per slot whose strict tries all fell short: an anchor drawn uniformly among those
+        with ``length`` steps ahead (the k-th of them in table order, k from Philox's bits for
+        (slot, round) in a lane the draws leave alone, modulo their count); -1 for the other
+        slots, and where no anchor has (the host checks first that one has)."""
+        slot = tl.program_id(0)
+        pick = tl.full([], -1, tl.int64)
+        if tl.load(found_ptr + slot) == 0:
+            parts = tl.arange(0, PARTS)
+            counts = tl.load(counts_ptr + parts).to(tl.int64)
+            full = tl.sum(counts, axis=0)
+            if full > 0:
+                round_ = tl.load(rounds_ptr)
+                lane = slot.to(tl.uint32)
+                a, b, _, _ = tl.philox(
+                    seed, lane, round_.to(tl.uint32), (round_ >> 32).to(tl.uint32), lane * 0 + 1
+                )
+                bits = (a.to(tl.uint64) | (b.to(tl.uint64) << 32)) >> 1
+                k = (bits % full.to(tl.uint64)).to(tl.int64)
+                ends = tl.cumsum(counts, axis=0)
+                part = tl.sum((ends <= k).to(tl.int32), axis=0)  # the part holding the k-th
+                k -= tl.sum(tl.where(parts < part, counts, 0), axis=0)  # its rank in there
+                low, high = _share(count_ptr, part, PARTS)
+                seen = tl.zeros([], tl.int64)
+                for first in range(low, high, BLOCK):
+                    place = first + tl.arange(0, BLOCK)
+                    inside = (place < high) & (seen <= k)
+                    rows = tl.load(table_ptr + place, mask=inside, other=0)
+                    full_here = _full_steps(rows, inside, length, succ_ptr)
+                    rank = seen + tl.cumsum(full_here.to(tl.int64), axis=0) - 1
+                    hit = full_here & (rank == k)
+                    got = tl.sum(hit.to(tl.int32), axis=0) > 0
+                    pick = tl.where(got, tl.sum(tl.where(hit, rows, 0), axis=0), pick)
+                    seen += tl.sum(full_here.to(tl.int64), axis=0)
+        tl.store(picks_ptr + slot, pick)
 
     @triton.jit
     def _draw_kernel(rounds_ptr, count_ptr, out_ptr, total, seed, BLOCK: tl.constexpr):
@@ -368,14 +467,44 @@ def walks(links: Any, rows: torch.Tensor, length: int = 1) -> bool:
     return _long_columns(rows, links.succ, links.step, links.episode)
 
 
+class Redraw(NamedTuple):
+    """The device draws' state, which a strict draw's redraw reads on the device (a buffer's
+    :class:`replaybuf.graphs.BatchGraphs`): the round (the draws made so far), the anchor
+    count and the Philox key."""
+
+    rounds: torch.Tensor
+    count: torch.Tensor
+    seed: int
+
+
+# A strict redraw's scan of the packed anchor rows: PARTS programs in parallel, each over its
+# share in steps of SCAN anchors (1M anchors: one step each). Each step walks ``length`` links,
+# so the scan costs ~``length`` dependent loads, paid only by a batch with a slot to redraw.
+# Triton's interpreter runs each program in Python: a few parts there (the tests).
+PARTS = 8 if INTERPRET else 1024
+SCAN = 1024
+
+
 def sequences(
-    draws: torch.Tensor, table: torch.Tensor | None, length: int, links: Any, strict: bool
+    draws: torch.Tensor,
+    table: torch.Tensor | None,
+    length: int,
+    links: Any,
+    strict: bool,
+    redraw: Redraw | None = None,
 ) -> Walk | None:
-    """A sequence batch's :class:`Walk` in one launch, or None where the kernel does not apply
-    (as :func:`nstep_windows`). ``draws [B, T]`` are the candidate anchors, or places in
-    ``table`` (the packed anchor rows) when it is given; with ``strict`` each slot takes its
-    first candidate with ``length`` steps ahead (``found`` False where none has: the caller
-    draws again), else its only one (T = 1)."""
+    """A sequence batch's :class:`Walk`, or None where the kernel does not apply (as
+    :func:`nstep_windows`). ``draws [B, T]`` are the candidate anchors, or places in ``table``
+    (the packed anchor rows) when it is given; with ``strict`` each slot takes its first
+    candidate with ``length`` steps ahead, else its only one (T = 1).
+
+    A strict slot whose T candidates all fall short has ``found`` False, and the caller draws
+    it again; unless ``redraw`` is given (with ``table``, whose count it holds): then three
+    more launches draw those slots again on the device, each uniformly among the anchors with
+    ``length`` steps ahead, exactly (counted and picked by a scan of the table, which costs
+    only when a slot needs it), so that no host synchronisation is needed. At least one anchor
+    must have ``length`` steps ahead (the caller checks on the host); ``found`` is then True
+    everywhere."""
     if not _long_columns(draws) or not walks(links, draws if table is None else table):
         return None
     batch, tries = draws.shape
@@ -394,8 +523,10 @@ def sequences(
                 draws, draws if table is None else table, links.succ, links.end_kind,
                 links.step, links.episode, rows, ints, flags, batch, length,
                 links.succ.shape[0], TRIES=tries, PICK=table is not None, STRICT=strict,
-                SLOTS=slots, SPAN=span,
+                SLOTS=slots, SPAN=span, REPAIR=False,
             )  # fmt: skip
+            if strict and redraw is not None and table is not None:
+                _redraw(draws, table, length, links, redraw, rows, ints, flags)
     step_rows, next_rows, step, episode = ints[: 4 * cells].view(4, batch, length).unbind(0)
     bools = flags.view(torch.bool)
     mask, pad, terminal, truncated = bools[: 4 * cells].view(4, batch, length).unbind(0)
@@ -403,6 +534,37 @@ def sequences(
     return Walk(
         start, rows, step_rows, next_rows, mask, pad, terminal, truncated, step, episode, found
     )
+
+
+def _redraw(
+    draws: torch.Tensor,
+    table: torch.Tensor,
+    length: int,
+    links: Any,
+    redraw: Redraw,
+    rows: torch.Tensor,
+    ints: torch.Tensor,
+    flags: torch.Tensor,
+) -> None:
+    """The slots of a strict walk that found no start, drawn again and walked in place (see
+    :func:`sequences`); the caller made the current device ``draws``'."""
+    batch = draws.shape[0]
+    found = flags[4 * batch * length :]
+    counts = torch.empty(PARTS, dtype=torch.int32, device=draws.device)
+    picks = torch.empty(batch, dtype=torch.long, device=draws.device)
+    _count_full_kernel[(PARTS,)](
+        found, table, redraw.count, links.succ, counts, batch, length, PARTS=PARTS, BLOCK=SCAN
+    )
+    _pick_kernel[(batch,)](
+        found, table, redraw.count, links.succ, counts, redraw.rounds, picks, redraw.seed,
+        length, PARTS=PARTS, BLOCK=SCAN,
+    )  # fmt: skip
+    span, slots = sequence_tile(length)
+    _sequence_kernel[(triton_cdiv(batch, slots),)](
+        picks, picks, links.succ, links.end_kind, links.step, links.episode, rows, ints, flags,
+        batch, length, links.succ.shape[0], TRIES=1, PICK=False, STRICT=False, SLOTS=slots,
+        SPAN=span, REPAIR=True,
+    )  # fmt: skip
 
 
 def sequence_tile(length: int) -> tuple[int, int]:

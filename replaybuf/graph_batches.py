@@ -23,8 +23,7 @@ from replaybuf.sampling import (
     NArg,
     nstep_keys,
     nstep_values,
-    redraw_missing,
-    sequence_batch,
+    require_full_sequences,
     sequence_values,
 )
 from replaybuf.storage import build_tensordict
@@ -71,38 +70,31 @@ def graphed_sequences(
     length: int,
     strict: bool,
     device: torch.device,
-    generator: torch.Generator,
 ) -> TensorDict | None:
     """A uniform sequence batch by a graph's replay (strict: the fused kernel's draw of
-    ``STRICT_TRIES`` candidates per slot, and one host synchronisation that reads whether
-    every slot found a start; ``generator`` redraws a slot that found none), or None as
-    :func:`graphed_nstep`."""
+    ``STRICT_TRIES`` candidates per slot, and its redraw on the device of the slots that found
+    none), or None as :func:`graphed_nstep`."""
     table = _table(core, graphs, device, length)
     if table is None:
         return None
+    if strict:
+        require_full_sequences(core, length)  # what the redraw relies on
     tries = STRICT_TRIES if strict else 1
+    redraw = graphs.redraw if strict else None
 
     def build() -> tuple[list, list[torch.Tensor]]:
-        walk = fused_sequences(graphs.draw((batch_size, tries)), table, length, core.links, strict)
+        places = graphs.draw((batch_size, tries))
+        walk = fused_sequences(places, table, length, core.links, strict, redraw)
         if walk is None:
             raise NotCapturable("the fused sequence kernel does not apply")
-        assert walk.found is not None, "the kernel's walks say which slots found a start"
-        keys, values = sequence_values(core, walk.start, length, device, walk, full=strict)
-        return keys, [*values, walk.start, walk.found]
+        return sequence_values(core, walk.start, length, device, walk, full=strict)
 
     key = ("sequences", batch_size, length, strict)
     out = graphs.run(key, _inputs(core, table), core.anchors.count, build)
     if out is None:
         return None
-    keys, (*values, start, found) = out
-    batch = build_tensordict(keys, values, (batch_size, length), device)
-    # Strict: the one host synchronisation, after the host's work on the batch (which overlaps
-    # the GPU's); the rare slot with no start in its tries makes the batch again, its slots
-    # redrawn (so exact), the others kept.
-    if strict and not found.cpu().numpy().all():
-        walk = redraw_missing(core, start, found, length, generator)
-        return sequence_batch(core, walk.start, length, device, walk, full=True)
-    return batch
+    keys, values = out
+    return build_tensordict(keys, values, (batch_size, length), device)
 
 
 def _table(

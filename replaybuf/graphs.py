@@ -110,6 +110,11 @@ class BatchGraphs:
         self.rounds.add_(1)
         return places
 
+    @property
+    def redraw(self) -> fused.Redraw:
+        """What a strict sequence draw's redraw reads on the device (its round and count)."""
+        return fused.Redraw(self.rounds, self.count, self.seed)
+
     def places(self, shape: tuple[int, ...], count: int) -> torch.Tensor | None:
         """:meth:`draw` outside any graph (``count``: the anchor count now), or None where the
         draw kernel does not run (no Triton, switched off)."""

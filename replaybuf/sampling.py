@@ -22,7 +22,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.episodes import Episode, EpisodeCore, HostLinks
 from replaybuf.errors import EmptyBufferError
-from replaybuf.fused import Walk
+from replaybuf.fused import Redraw, Walk
 from replaybuf.fused import nstep_windows as fused_nstep_windows
 from replaybuf.fused import sequences as fused_sequences
 from replaybuf.fused import stack_rows as fused_stack_rows
@@ -45,8 +45,9 @@ from replaybuf.schema import Key
 from replaybuf.storage import Part, build_tensordict
 
 NArg = int | tuple[int, int]
-# Uniform places in the packed anchor rows for a shape, and those rows (a buffer's draw)
-Draw = Callable[[tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]]
+# Uniform places in the packed anchor rows for a shape, those rows, and the device draws'
+# state where the places came from them (a buffer's draw)
+Draw = Callable[[tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, Redraw | None]]
 Values = torch.Tensor | np.ndarray  # index math results: numpy on the host paths
 
 
@@ -761,6 +762,8 @@ def draw_sequences(
     ``strict`` draws only anchors with ``length`` steps ahead (:func:`sample_sequence_starts`),
     else any valid step (the batch is padded).
     """
+    if strict:
+        require_full_sequences(core, length)
     walk = _fused_draw(core, batch_size, length, strict, generator, draw)
     if walk is not None:
         return walk.start, None, walk
@@ -788,11 +791,11 @@ def _fused_draw(
 
     Not strict, each slot draws one place in the packed anchor rows (``draw``'s, else the
     same draws as :meth:`AnchorSet.sample`). Strict, each slot takes the first of
-    ``STRICT_TRIES`` draws with ``length`` steps ahead: rejection sampling, exact. One host
-    synchronisation reads whether every slot found one; the few that did not (each with
-    probability (1 - p)^8 where p is the share of anchors that qualify) go on with
-    :func:`sample_sequence_starts`, which continues the same rejection (and raises when no
-    anchor qualifies).
+    ``STRICT_TRIES`` draws with ``length`` steps ahead: rejection sampling, exact. The few
+    slots that find none (each with probability (1 - p)^8 where p is the share of anchors that
+    qualify) are drawn again: on the device by the kernel's redraw where the places are device
+    draws (no host synchronisation), else after one synchronisation that reads which they are,
+    by :func:`sample_sequence_starts`, which continues the same rejection.
     """
     anchors = core.anchors
     if core.priorities is not None or core.links.host is not None or anchors.count == 0:
@@ -800,12 +803,13 @@ def _fused_draw(
     if not fused_walks(core.links, anchors.rows, length):
         return None
     tries = STRICT_TRIES if strict else 1
+    redraw = None
     if draw is None:
         places, table = anchors.draw_places((batch_size, tries), generator)
     else:
-        places, table = draw((batch_size, tries))
-    walk = fused_sequences(places, table, length, core.links, strict)
-    if walk is None or not strict:
+        places, table, redraw = draw((batch_size, tries))
+    walk = fused_sequences(places, table, length, core.links, strict, redraw)
+    if walk is None or not strict or redraw is not None:
         return walk
     assert walk.found is not None, "the kernel's walks say which slots found a start"
     if walk.found.cpu().numpy().all():  # the one host synchronisation of a strict draw
@@ -828,6 +832,20 @@ def redraw_missing(
     walk = fused_sequences(start.unsqueeze(1), None, length, core.links, strict=False)
     assert walk is not None, "the kernel that drew these starts walks them"
     return walk
+
+
+def require_full_sequences(core: EpisodeCore, length: int) -> None:
+    """Raise :class:`EmptyBufferError` unless some anchor has ``length`` steps ahead in its
+    episode (before a strict draw: a redraw on the device relies on one existing)."""
+    if not core.holds_steps(length):
+        raise _no_full_sequences(length)
+
+
+def _no_full_sequences(length: int) -> EmptyBufferError:
+    return EmptyBufferError(
+        f"cannot sample sequences: no stored episode has {length} consecutive steps "
+        "(use strict=False to pad shorter ones)"
+    )
 
 
 def sample_sequence_starts(
@@ -856,10 +874,7 @@ def sample_sequence_starts(
     every = anchors.snapshot()
     eligible = every[_full_starts(core, every, length)]
     if eligible.shape[0] == 0:
-        raise EmptyBufferError(
-            f"cannot sample sequences: no stored episode has {length} consecutive steps "
-            "(use strict=False to pad shorter ones)"
-        )
+        raise _no_full_sequences(length)
     if priorities is None:
         picks = torch.randint(
             0, eligible.shape[0], (need,), generator=generator, device=eligible.device

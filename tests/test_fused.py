@@ -137,22 +137,26 @@ def compare(
 
 
 def compare_sequences(
-    buf: SyncEpisodeReplayBuffer, length: int, strict: bool, batch: int
+    buf: SyncEpisodeReplayBuffer, length: int, strict: bool, batch: int, device_draws: bool
 ) -> list[int]:
     """Asserts that a sequence draw through the kernel and the batch built from it match the
     torch ops on the same anchors (and, not strict, that both draw the same anchors; strict,
     that each slot took the first of its draws with ``length`` steps ahead, where it had one);
-    returns the sequence kernel's launches."""
+    returns the sequence kernel's launches. ``device_draws``: the buffer's own draw (the
+    device draws, and a strict draw's redraw on the device), else the generator's."""
     core, device = buf._core, buf.device
+    draw = buf._places if device_draws else None
     with torch_ops():
         qualify = full_sequence_starts(core.anchors.snapshot(), length, core.links.succ)
     if strict and not qualify.any():
+        before = buf._device_draws()
         for switch in (contextlib.nullcontext(), torch_ops()):
             with switch, pytest.raises(EmptyBufferError, match="consecutive steps"):
-                draw_sequences(core, batch, length, True, generator(device))
+                draw_sequences(core, batch, length, True, generator(device), draw)
+        assert buf._device_draws() == before  # nothing drawn
         return []
     with Counting("_sequence_kernel") as calls:
-        start, weight, walk = draw_sequences(core, batch, length, strict, generator(device))
+        start, weight, walk = draw_sequences(core, batch, length, strict, generator(device), draw)
         got = sequence_batch(core, start, length, device, walk, full=strict)
         from_start = sequence_batch(core, start, length, device, None, full=strict)
     assert weight is None
@@ -164,9 +168,14 @@ def compare_sequences(
     assert_same(want, got)
     assert_same(want, from_start)
     if not strict:
-        assert torch.equal(torch_start, start)
+        if not device_draws:
+            assert torch.equal(torch_start, start)
         return calls
     assert full_sequence_starts(start, length, core.links.succ).all()
+    assert walk.found is not None
+    assert bool(walk.found.all())
+    if device_draws:
+        return calls  # the places are the draw kernel's (test_graphs.py checks those)
     picks = torch.randint(
         0, core.anchors.count, (batch, STRICT_TRIES), generator=generator(device), device=device
     )
@@ -296,9 +305,10 @@ def test_the_stack_kernel_matches_the_torch_ops(lengths, k, seed, shape):
     strict=st.booleans(),
     batch=st.sampled_from([1, 64, 129, 300]),
     frame_stack=st.sampled_from([None, 2]),
+    device_draws=st.booleans(),
 )
 def test_the_sequence_kernel_matches_the_torch_ops(
-    layout, capacity, length, strict, batch, frame_stack
+    layout, capacity, length, strict, batch, frame_stack, device_draws
 ):
     with mirrored():
         buf = filled(layout, torch.float32, capacity, "cpu", frame_stack)
@@ -306,11 +316,14 @@ def test_the_sequence_kernel_matches_the_torch_ops(
         buf._core.flush()
         if buf._core.anchors.count == 0:
             return
-        calls = compare_sequences(buf, length, strict, batch)
-        # the draw, a redraw of slots with no fitting start among their draws, the walk of
-        # given anchors
+        calls = compare_sequences(buf, length, strict, batch, device_draws)
+        # the draw, a redraw of slots with no fitting start among their draws (on the
+        # device: always launched, walking only those slots), the walk of given anchors
         programs = [fused.triton_cdiv(batch, fused.sequence_tile(length)[1])]
-        assert calls in ([], programs * 2, programs * 3)
+        if strict and device_draws and calls:
+            assert calls == programs * 3
+        else:
+            assert calls in ([], programs * 2, programs * 3)
 
 
 @INTERPRETED
@@ -338,6 +351,44 @@ def test_strict_sequence_draws_in_the_kernel_are_uniform(few):
         assert set(counts) == set(fits)
         assert chisquare([counts[row] for row in fits]).pvalue > 0.001
         assert len(calls) == (20 if few else 10)  # few: every batch has slots drawn again
+
+
+@INTERPRETED
+@pytest.mark.parametrize("few", [False, True])
+def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
+    """The buffer's strict draws (device draws, the redraw in the kernels, no host sync) over
+    the anchors with 3 steps ahead: 9 of 13, and 9 of 165 in three episodes between one-step
+    ones (most slots redrawn). The redraw's scan is cut into 4 parts of 8-anchor steps, so
+    that the 9 lie in several parts and steps."""
+    monkeypatch.setattr(fused, "PARTS", 4)
+    monkeypatch.setattr(fused, "SCAN", 8)
+    spaced = ([(1, "terminated")] * 50 + [(5, "truncated")]) * 3
+    layout = spaced if few else [(9, None), (6, None)]
+    with mirrored():
+        buf = filled(layout, torch.float32, 400, "cpu")
+    with buf:
+        core = buf._core
+        core.flush()
+        anchors = core.anchors.snapshot()
+        fits = anchors[full_sequence_starts(anchors, 3, core.links.succ)]
+        owners, steps = core.links.episode[fits].tolist(), core.links.step[fits].tolist()
+        want = set(zip(owners, steps, strict=True))
+        assert len(want) == 9
+        counts: Counter = Counter()
+        with Counting("_pick_kernel") as picks, Counting("_count_full_kernel") as parts:
+            for _ in range(12):
+                batch = buf.sample_sequences(40, 3)
+                assert bool(batch["mask"].all())
+                first = batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist()
+                counts.update(zip(*first, strict=True))
+        assert set(counts) == want
+        assert chisquare(list(counts.values())).pvalue > 0.001
+        assert picks == [40] * 12  # one program per slot, every batch
+        assert parts == [4] * 12
+        # a slot that found a start among its tries keeps it: not strict, nothing is redrawn
+        with Counting("_pick_kernel") as picks:
+            buf.sample_sequences(40, 3, strict=False)
+        assert picks == []
 
 
 def compiled_on_cuda(test: Any) -> Any:

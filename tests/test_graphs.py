@@ -305,6 +305,38 @@ def graphed_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set
 GRAPHED = {("n_step", 64, 1, 0.99), ("sequences", 64, 2, False)}
 
 
+def strict_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set, Counter, bool]:
+    """Episodes of 1 step between two of 9 and 12, and a strict length of 8: 7 of ~44
+    anchors qualify, so about 3 slots in 10 find no start among their 8 tries and are drawn
+    again on the device. The graph keys, how often each (episode, step) started a strict
+    batch, and whether every batch was full (its mask all True)."""
+    with buf:
+        for e, length in enumerate([1] * 10 + [9] + [1] * 10 + [12] + [1] * 10):
+            add_episode(buf, e, length)
+        counts: Counter = Counter()
+        full = True
+        for _ in range(batches):
+            batch = buf.sample_sequences(64, 8)
+            full &= bool(batch["mask"].all())
+            first = batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist()
+            counts.update(zip(*first, strict=True))
+        return set(buf._batch_graphs._entries), counts, full
+
+
+STRICT_STARTS = {(10, 0), (10, 1), (21, 0), (21, 1), (21, 2), (21, 3), (21, 4)}
+
+
+@INTERPRETED
+def test_graphed_strict_draws_in_the_interpreter_are_uniform_over_full_starts():
+    with stand_in_graphs():
+        buf = SyncEpisodeReplayBuffer(100, device="cpu", storing_device="cpu", seed=1)
+        keys, counts, full = strict_draw_counts(buf, 30)
+    assert keys == {("sequences", 64, 8, True)}
+    assert full
+    assert set(counts) == STRICT_STARTS
+    assert chisquare(list(counts.values())).pvalue > 1e-4
+
+
 @INTERPRETED
 def test_graphed_draws_in_the_interpreter_follow_the_anchor_count():
     with stand_in_graphs():
@@ -414,12 +446,25 @@ def test_graphed_draws_are_uniform_over_the_valid_steps():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_graphed_strict_draws_are_uniform_over_full_starts():
+    buf = SyncEpisodeReplayBuffer(100, device="cuda", storing_device="cuda", seed=1)
+    keys, counts, full = strict_draw_counts(buf, 100)
+    assert keys == {("sequences", 64, 8, True)}
+    assert full
+    assert set(counts) == STRICT_STARTS
+    assert chisquare(list(counts.values())).pvalue > 1e-4
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_graphed_batches_never_wait_for_the_gpu():
     with filled() as buf:
         calls = [
             lambda: buf.sample_n_step(32, 3),
             lambda: buf.sample_n_step(32, (1, 3)),
             lambda: buf.sample_sequences(8, 4, strict=False),
+            lambda: buf.sample_sequences(8, 4),
+            lambda: buf.sample_sequences(8, 30),  # most slots drawn again on the device
         ]
         for call in calls:
             for _ in range(CAPTURE_AT):
@@ -431,8 +476,19 @@ def test_graphed_batches_never_wait_for_the_gpu():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert batch.device.type == "cuda"
-        assert ("n_step", 32, 3, 0.99) in buf._batch_graphs._entries
-        assert ("sequences", 8, 4, False) in buf._batch_graphs._entries
+        entries = buf._batch_graphs._entries
+        assert ("n_step", 32, 3, 0.99) in entries
+        assert ("sequences", 8, 4, False) in entries
+        assert ("sequences", 8, 4, True) in entries
+        assert ("sequences", 8, 30, True) in entries
+        # The uncaptured strict draw (a key's first ask) does not wait either
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch = buf.sample_sequences(5, 6)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert ("sequences", 5, 6, True) not in entries
+        assert bool(batch["mask"].all())
 
 
 @pytest.mark.gpu
