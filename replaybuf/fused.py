@@ -253,13 +253,15 @@ if triton is not None:  # the kernel's annotations need Triton
     @triton.jit
     def _full_steps(rows, mask, length, succ_ptr):
         """Whether each of ``rows`` has ``length`` steps ahead in its episode: its walk still
-        moves at its last link (:func:`replaybuf.index.full_sequence_starts`)."""
+        moves at its last link (:func:`replaybuf.index.full_sequence_starts`). One value is
+        carried through the loop: a loop that also carried the previous row, started from
+        the same value, counted every anchor as qualifying when Triton 3.6 compiled it for an
+        H200 (not in the interpreter)."""
         row = rows
-        prev = rows
-        for _ in range(0, length):
-            prev = row
+        for _step in range(1, length):  # to the step before the last
             row = tl.load(succ_ptr + row, mask=mask, other=0)
-        return mask & (row != prev)
+        after = tl.load(succ_ptr + row, mask=mask, other=0)
+        return mask & (after != row)
 
     @triton.jit
     def _missing(found_ptr, batch, BLOCK: tl.constexpr):
@@ -286,17 +288,16 @@ if triton is not None:  # the kernel's annotations need Triton
         PARTS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Per part of the packed anchor rows: how many have ``length`` steps ahead, counted
-        only where some slot of the strict draw found no start (else 0, nothing else read)."""
+        only where some slot of the strict draw found no start (else 0: an empty scan)."""
         part = tl.program_id(0)
+        low, high = _share(count_ptr, part, PARTS)
+        high = tl.where(_missing(found_ptr, batch, BLOCK) > 0, high, low)
         total = tl.zeros([], tl.int32)
-        if _missing(found_ptr, batch, BLOCK) > 0:
-            low, high = _share(count_ptr, part, PARTS)
-            for first in range(low, high, BLOCK):
-                place = first + tl.arange(0, BLOCK)
-                inside = place < high
-                rows = tl.load(table_ptr + place, mask=inside, other=0)
-                full = _full_steps(rows, inside, length, succ_ptr)
-                total += tl.sum(full.to(tl.int32), axis=0)
+        for first in range(low, high, BLOCK):
+            place = first + tl.arange(0, BLOCK)
+            inside = place < high
+            rows = tl.load(table_ptr + place, mask=inside, other=0)
+            total += tl.sum(_full_steps(rows, inside, length, succ_ptr).to(tl.int32), axis=0)
         tl.store(counts_ptr + part, total)
 
     @triton.jit
@@ -307,36 +308,37 @@ if triton is not None:  # the kernel's annotations need Triton
         """Per slot whose strict tries all fell short: an anchor drawn uniformly among those
         with ``length`` steps ahead (the k-th of them in table order, k from Philox's bits for
         (slot, round) in a lane the draws leave alone, modulo their count); -1 for the other
-        slots, and where no anchor has (the host checks first that one has)."""
+        slots, and where no anchor has (the host checks first that one has). Masks, not
+        branches: every slot reads the counts, and only the ones to pick scan."""
         slot = tl.program_id(0)
+        parts = tl.arange(0, PARTS)
+        counts = tl.load(counts_ptr + parts).to(tl.int64)
+        full = tl.sum(counts, axis=0)
+        need = (tl.load(found_ptr + slot) == 0) & (full > 0)
+        round_ = tl.load(rounds_ptr)
+        lane = slot.to(tl.uint32)
+        a, b, _, _ = tl.philox(
+            seed, lane, round_.to(tl.uint32), (round_ >> 32).to(tl.uint32), lane * 0 + 1
+        )
+        bits = (a.to(tl.uint64) | (b.to(tl.uint64) << 32)) >> 1
+        k = (bits % tl.maximum(full, 1).to(tl.uint64)).to(tl.int64)
+        ends = tl.cumsum(counts, axis=0)
+        part = tl.sum((ends <= k).to(tl.int32), axis=0)  # the part holding the k-th
+        k -= tl.sum(tl.where(parts < part, counts, 0), axis=0)  # its rank in there
+        low, high = _share(count_ptr, part, PARTS)
+        high = tl.where(need, high, low)
         pick = tl.full([], -1, tl.int64)
-        if tl.load(found_ptr + slot) == 0:
-            parts = tl.arange(0, PARTS)
-            counts = tl.load(counts_ptr + parts).to(tl.int64)
-            full = tl.sum(counts, axis=0)
-            if full > 0:
-                round_ = tl.load(rounds_ptr)
-                lane = slot.to(tl.uint32)
-                a, b, _, _ = tl.philox(
-                    seed, lane, round_.to(tl.uint32), (round_ >> 32).to(tl.uint32), lane * 0 + 1
-                )
-                bits = (a.to(tl.uint64) | (b.to(tl.uint64) << 32)) >> 1
-                k = (bits % full.to(tl.uint64)).to(tl.int64)
-                ends = tl.cumsum(counts, axis=0)
-                part = tl.sum((ends <= k).to(tl.int32), axis=0)  # the part holding the k-th
-                k -= tl.sum(tl.where(parts < part, counts, 0), axis=0)  # its rank in there
-                low, high = _share(count_ptr, part, PARTS)
-                seen = tl.zeros([], tl.int64)
-                for first in range(low, high, BLOCK):
-                    place = first + tl.arange(0, BLOCK)
-                    inside = (place < high) & (seen <= k)
-                    rows = tl.load(table_ptr + place, mask=inside, other=0)
-                    full_here = _full_steps(rows, inside, length, succ_ptr)
-                    rank = seen + tl.cumsum(full_here.to(tl.int64), axis=0) - 1
-                    hit = full_here & (rank == k)
-                    got = tl.sum(hit.to(tl.int32), axis=0) > 0
-                    pick = tl.where(got, tl.sum(tl.where(hit, rows, 0), axis=0), pick)
-                    seen += tl.sum(full_here.to(tl.int64), axis=0)
+        seen = tl.zeros([], tl.int64)
+        for first in range(low, high, BLOCK):
+            place = first + tl.arange(0, BLOCK)
+            inside = (place < high) & (seen <= k)
+            rows = tl.load(table_ptr + place, mask=inside, other=0)
+            full_here = _full_steps(rows, inside, length, succ_ptr)
+            rank = seen + tl.cumsum(full_here.to(tl.int64), axis=0) - 1
+            hit = full_here & (rank == k)
+            got = tl.sum(hit.to(tl.int32), axis=0) > 0
+            pick = tl.where(got, tl.sum(tl.where(hit, rows, 0), axis=0), pick)
+            seen += tl.sum(full_here.to(tl.int64), axis=0)
         tl.store(picks_ptr + slot, pick)
 
     @triton.jit

@@ -136,11 +136,14 @@ def filled_episodes(
 
 
 def no_sync_calls(buf: SyncEpisodeReplayBuffer) -> dict[str, Callable[[], Any]]:
-    return {
+    calls = {
         "sample_n_step": lambda: buf.sample_n_step(64, n=3, gamma=0.9),
         "sample_n_step random n": lambda: buf.sample_n_step(64, n=(1, 4), gamma=0.9),
         "sample_sequences padded": lambda: buf.sample_sequences(8, 20, strict=False),
     }
+    if buf._core.priorities is None:  # uniform: slots whose tries fall short redrawn on the GPU
+        calls["sample_sequences strict"] = lambda: buf.sample_sequences(8, 20)
+    return calls
 
 
 @pytest.mark.parametrize("prioritized", [False, True])

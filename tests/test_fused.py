@@ -452,9 +452,10 @@ def test_gpus_triton_does_not_build_for_keep_the_torch_ops(monkeypatch, capabili
 
 
 @compiled_on_cuda
+@pytest.mark.parametrize("device_draws", [False, True])
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("length", [80, 300, 1000])
-def test_long_sequences_in_the_compiled_kernel_match_the_torch_ops(strict, length):
+def test_long_sequences_in_the_compiled_kernel_match_the_torch_ops(strict, length, device_draws):
     # Rows of one slot span several warps: the guessed rows, a break and the walk from it,
     # and an episode end all land in one program.
     layout = [(1200, "terminated"), (700, None), (90, "truncated"), (400, None)]
@@ -463,20 +464,21 @@ def test_long_sequences_in_the_compiled_kernel_match_the_torch_ops(strict, lengt
         core = buf._core
         with torch_ops():
             fits = full_sequence_starts(core.anchors.snapshot(), length, core.links.succ).any()
-        calls = compare_sequences(buf, length, strict, 64)
+        calls = compare_sequences(buf, length, strict, 64, device_draws)
     # strict with no episode that long: both paths raise and nothing launches
     programs = [fused.triton_cdiv(64, fused.sequence_tile(length)[1])]
     assert calls[:1] == ([] if strict and not fits else programs)
 
 
 @compiled_on_cuda
+@pytest.mark.parametrize("device_draws", [False, True])
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("length", [1, 4, 13])
-def test_the_compiled_sequence_kernel_matches_the_torch_ops_on_cuda(strict, length):
+def test_the_compiled_sequence_kernel_matches_the_torch_ops_on_cuda(strict, length, device_draws):
     layout = [(9, "terminated"), (4, None), (7, "truncated"), (1, "terminated"), (12, None)]
     with filled(layout, torch.float32, 30, "cuda") as buf:
         buf._core.flush()
-        calls = compare_sequences(buf, length, strict, 200)
+        calls = compare_sequences(buf, length, strict, 200, device_draws)
         # strict with no episode of 13 steps: both paths raise, nothing launches
         programs = [fused.triton_cdiv(200, fused.sequence_tile(length)[1])]
         assert calls[:1] == ([] if strict and length > 12 else programs)

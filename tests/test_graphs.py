@@ -464,7 +464,6 @@ def test_graphed_batches_never_wait_for_the_gpu():
             lambda: buf.sample_n_step(32, (1, 3)),
             lambda: buf.sample_sequences(8, 4, strict=False),
             lambda: buf.sample_sequences(8, 4),
-            lambda: buf.sample_sequences(8, 30),  # most slots drawn again on the device
         ]
         for call in calls:
             for _ in range(CAPTURE_AT):
@@ -480,14 +479,24 @@ def test_graphed_batches_never_wait_for_the_gpu():
         assert ("n_step", 32, 3, 0.99) in entries
         assert ("sequences", 8, 4, False) in entries
         assert ("sequences", 8, 4, True) in entries
-        assert ("sequences", 8, 30, True) in entries
-        # The uncaptured strict draw (a key's first ask) does not wait either
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_strict_draws_that_redraw_never_wait_for_the_gpu():
+    buf = SyncEpisodeReplayBuffer(100, device="cuda", storing_device="cuda", seed=1)
+    with buf:
+        for e, length in enumerate([1] * 10 + [9] + [1] * 10 + [12] + [1] * 10):
+            add_episode(buf, e, length)
+        for _ in range(CAPTURE_AT):
+            buf.sample_sequences(64, 8)  # 7 of ~44 anchors qualify: most batches redraw
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            batch = buf.sample_sequences(5, 6)
+            batch = buf.sample_sequences(64, 8)  # raises at a host synchronisation
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert ("sequences", 5, 6, True) not in entries
+        assert ("sequences", 64, 8, True) in buf._batch_graphs._entries
         assert bool(batch["mask"].all())
 
 
