@@ -326,19 +326,26 @@ def test_the_sequence_kernel_matches_the_torch_ops(
             assert calls in ([], programs * 2, programs * 3)
 
 
+def fitting(layout: list[tuple[int, str | None]], capacity: int) -> tuple[Any, torch.Tensor]:
+    """A mirrored CPU buffer holding ``layout`` (flushed), and its anchors with 3 steps ahead."""
+    with mirrored():
+        buf = filled(layout, torch.float32, capacity, "cpu")
+    core = buf._core
+    core.flush()
+    anchors = core.anchors.snapshot()
+    return buf, anchors[full_sequence_starts(anchors, 3, core.links.succ)]
+
+
 @INTERPRETED
 @pytest.mark.parametrize("few", [False, True])
 def test_strict_sequence_draws_in_the_kernel_are_uniform(few):
     """Over the anchors with 3 steps ahead: 9 of 13 (a slot's first draw mostly fits), and 3
     of 155 (slots mostly find none among their 8 draws and are drawn again)."""
     layout = [(1, "terminated")] * 150 + [(5, "truncated")] if few else [(9, None), (6, None)]
-    with mirrored():
-        buf = filled(layout, torch.float32, 200, "cpu")
+    buf, fitting_rows = fitting(layout, 200)
     with buf:
         core = buf._core
-        core.flush()
-        anchors = core.anchors.snapshot()
-        fits = anchors[full_sequence_starts(anchors, 3, core.links.succ)].tolist()
+        fits = fitting_rows.tolist()
         assert len(fits) == (3 if few else 9)
         g = torch.Generator().manual_seed(4)
         counts = Counter()
@@ -363,14 +370,9 @@ def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
     monkeypatch.setattr(fused, "PARTS", 4)
     monkeypatch.setattr(fused, "SCAN", 8)
     spaced = ([(1, "terminated")] * 50 + [(5, "truncated")]) * 3
-    layout = spaced if few else [(9, None), (6, None)]
-    with mirrored():
-        buf = filled(layout, torch.float32, 400, "cpu")
+    buf, fits = fitting(spaced if few else [(9, None), (6, None)], 400)
     with buf:
         core = buf._core
-        core.flush()
-        anchors = core.anchors.snapshot()
-        fits = anchors[full_sequence_starts(anchors, 3, core.links.succ)]
         owners, steps = core.links.episode[fits].tolist(), core.links.step[fits].tolist()
         want = set(zip(owners, steps, strict=True))
         assert len(want) == 9
@@ -385,7 +387,7 @@ def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
         assert chisquare(list(counts.values())).pvalue > 0.001
         assert picks == [40] * 12  # one program per slot, every batch
         assert parts == [4] * 12
-        # a slot that found a start among its tries keeps it: not strict, nothing is redrawn
+        # not strict: every slot takes its one draw, and no redraw is launched
         with Counting("_pick_kernel") as picks:
             buf.sample_sequences(40, 3, strict=False)
         assert picks == []

@@ -326,11 +326,17 @@ def strict_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set,
 STRICT_STARTS = {(10, 0), (10, 1), (21, 0), (21, 1), (21, 2), (21, 3), (21, 4)}
 
 
-@INTERPRETED
-def test_graphed_strict_draws_in_the_interpreter_are_uniform_over_full_starts():
-    with stand_in_graphs():
-        buf = SyncEpisodeReplayBuffer(100, device="cpu", storing_device="cpu", seed=1)
-        keys, counts, full = strict_draw_counts(buf, 30)
+ON_GPU = [pytest.mark.gpu, needs_cuda]
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=ON_GPU)]
+)
+def test_graphed_strict_draws_are_uniform_over_full_starts(device):
+    """In the interpreter with the stand-in capture, and on the GPU with real graphs."""
+    with stand_in_graphs() if device == "cpu" else contextlib.nullcontext():
+        buf = SyncEpisodeReplayBuffer(100, device=device, storing_device=device, seed=1)
+        keys, counts, full = strict_draw_counts(buf, 30 if device == "cpu" else 100)
     assert keys == {("sequences", 64, 8, True)}
     assert full
     assert set(counts) == STRICT_STARTS
@@ -441,17 +447,6 @@ def test_graphed_draws_are_uniform_over_the_valid_steps():
     keys, counts = graphed_draw_counts(buf, 100)
     assert keys == GRAPHED
     assert len(counts) == 27
-    assert chisquare(list(counts.values())).pvalue > 1e-4
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_graphed_strict_draws_are_uniform_over_full_starts():
-    buf = SyncEpisodeReplayBuffer(100, device="cuda", storing_device="cuda", seed=1)
-    keys, counts, full = strict_draw_counts(buf, 100)
-    assert keys == {("sequences", 64, 8, True)}
-    assert full
-    assert set(counts) == STRICT_STARTS
     assert chisquare(list(counts.values())).pvalue > 1e-4
 
 
