@@ -332,8 +332,12 @@ ON_GPU = [pytest.mark.gpu, needs_cuda]
 @pytest.mark.parametrize(
     "device", [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=ON_GPU)]
 )
-def test_graphed_strict_draws_are_uniform_over_full_starts(device):
-    """In the interpreter with the stand-in capture, and on the GPU with real graphs."""
+def test_graphed_strict_draws_are_uniform_over_full_starts(device, monkeypatch):
+    """In the interpreter with the stand-in capture, and on the GPU with real graphs. The
+    redraw's scan is cut into 4 parts of 8-anchor steps, so that the compiled loops run
+    several steps and the 7 qualifying anchors lie in several parts."""
+    monkeypatch.setattr(fused, "PARTS", 4)
+    monkeypatch.setattr(fused, "SCAN", 8)
     with stand_in_graphs() if device == "cpu" else contextlib.nullcontext():
         buf = SyncEpisodeReplayBuffer(100, device=device, storing_device=device, seed=1)
         keys, counts, full = strict_draw_counts(buf, 30 if device == "cpu" else 100)
