@@ -453,21 +453,20 @@ class EpisodeCore:
         # Observation fields fixed by a zero-step episode's final observation, before any step
         # fixed the whole spec: the first step's observation must match them.
         self._first_obs_spec: FieldSpec | None = None
-        # Per length, the last stored episode found with that many valid steps (holds_steps)
-        self._witness: dict[int, Episode] = {}
+        # Per length, the id of the last episode found with that many valid steps (holds_steps)
+        self._witness: dict[int, int] = {}
 
     # ----------------------------------------------------------------- lookup
     def holds_steps(self, length: int) -> bool:
         """Whether some stored episode has ``length`` valid steps, so that some anchor has
         ``length`` steps ahead (a strict sequence can start there). O(1) while the episode
-        found last for this length is stored (its valid steps never shrink), else a scan from
-        the oldest episode."""
-        known = self._witness.get(length)
-        if known is not None and self.episodes.get(known.episode_id) is known:
+        found last for this length is stored (ids are never reused, and a stored episode's
+        valid steps never shrink), else a scan from the oldest episode."""
+        if self._witness.get(length) in self.episodes:
             return True
         for episode in self.episodes.values():
             if episode.valid_steps >= length:
-                self._witness[length] = episode
+                self._witness[length] = episode.episode_id
                 return True
         self._witness.pop(length, None)
         return False

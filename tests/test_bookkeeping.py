@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
 from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
 from replaybuf.episodes import EpisodeCore
-from replaybuf.index import END_NONE
+from replaybuf.index import END_NONE, full_sequence_starts
 
 NO_KERNELS = kernels_unavailable_reason()
 COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
@@ -386,6 +386,50 @@ def test_an_evicted_episodes_rows_are_handed_out_again_in_its_own_order():
     taken = core.episodes[second].rows[0]
     assert list(core.free)[-len(held) + 1 :] == held[:0:-1]  # pops give held[1], held[2], ...
     assert taken == held[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    program=st.lists(
+        st.tuples(st.sampled_from(["append", "end", "batch", "clear"]), st.integers(0, 3)),
+        max_size=40,
+    )
+)
+def test_holds_steps_says_whether_some_anchor_has_that_many_steps_ahead(program):
+    """What a strict sequence draw checks before drawing (its device redraw relies on it),
+    against a scan of every anchor, after each append, end, batch append (four envs in
+    lockstep), clear and the evictions they make, for lengths 1 to 9."""
+    buf = SyncEpisodeReplayBuffer(12, 5, storage="tensor", seed=0)
+    core = buf._core
+    running: list[int] = []
+
+    def start() -> list[int]:  # a new episode, and the running ones not evicted by it
+        return [e for e in [*running, buf.start_episode()] if e in core.episodes]
+
+    for action, pick in program:
+        # room for 4 more steps: steps of episodes being written cannot be evicted
+        while running and sum(core.episodes[e].steps for e in running) > 8:
+            buf.end_episode(running.pop(0), "terminated", np.zeros(3))
+        if action == "append" or not running:
+            if not running or pick == 0:
+                running = start()
+            buf.append_observation_action_reward(running[pick % len(running)], np.zeros(3), 0, 1.0)
+        elif action == "end":
+            buf.end_episode(running.pop(pick % len(running)), "truncated", np.zeros(3))
+        elif action == "batch":
+            while len(running) < 4:
+                running = start()
+            ids = running[:4]
+            buf.append_batch(ids, np.zeros((4, 3)), np.zeros(4, np.int64), np.ones(4, np.float32))
+        else:
+            buf.clear()
+            running = []
+        running = [e for e in running if e in core.episodes]  # evicted ones are gone
+        core.flush()
+        anchors = core.anchors.snapshot()
+        for length in range(1, 10):
+            scan = bool(full_sequence_starts(anchors, length, core.links.succ).any())
+            assert core.holds_steps(length) == scan, (length, program)
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
