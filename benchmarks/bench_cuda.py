@@ -284,6 +284,7 @@ def section_gpu_storage(cfg: Config, device: torch.device, scratch: Path) -> dic
         "replaybuf strict no graphs": no_graphs(lambda: ours.sample_sequences(SEQ_BATCH, LONG_SEQ)),
     }
     out["long_sequences"] = round_robin(fns, cfg, device)
+    out["long_sequences_syncs"] = {name: host_syncs(fn, device) for name, fn in fns.items()}
     # Strict sequences of 4/5 of an episode: a fifth of the anchors qualify, so about 5 slots
     # of 32 find none among their 8 tries and every batch pays the redraw's scan
     redraw_len = 4 * length // 5
@@ -623,7 +624,15 @@ def rows(res: dict[str, Any]) -> list[Row]:
         1.5,
         gpu["sequences_syncs"],
     )
-    vs(g, "sample_sequences(32, 80)", gpu["long_sequences"], "replaybuf strict", "floor", 1.5)
+    vs(
+        g,
+        "sample_sequences(32, 80)",
+        gpu["long_sequences"],
+        "replaybuf strict",
+        "floor",
+        1.5,
+        gpu["long_sequences_syncs"],
+    )
     vs(
         g,
         f"sample_sequences(32, {gpu['redraw_len']}), ~5 slots redrawn",
