@@ -549,7 +549,7 @@ def _redraw(
     flags: torch.Tensor,
 ) -> None:
     """The slots of a strict walk that found no start, drawn again and walked in place (see
-    :func:`sequences`); the caller made the current device ``draws``'."""
+    :func:`sequences`), on the current device, which the caller made ``draws``'."""
     batch = draws.shape[0]
     found = flags[4 * batch * length :]
     counts = torch.empty(PARTS, dtype=torch.int32, device=draws.device)
