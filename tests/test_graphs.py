@@ -306,7 +306,7 @@ GRAPHED = {("n_step", 64, 1, 0.99), ("sequences", 64, 2, False)}
 
 
 def strict_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set, Counter, bool]:
-    """Episodes of 1 step between two of 9 and 12, and a strict length of 8: 7 of ~44
+    """Episodes of 1 step between two of 9 and 12, and a strict length of 8: 7 of 51
     anchors qualify, so about 3 slots in 10 find no start among their 8 tries and are drawn
     again on the device. The graph keys, how often each (episode, step) started a strict
     batch, and whether every batch was full (its mask all True)."""
@@ -488,7 +488,7 @@ def test_graphed_strict_draws_that_redraw_never_wait_for_the_gpu():
         for e, length in enumerate([1] * 10 + [9] + [1] * 10 + [12] + [1] * 10):
             add_episode(buf, e, length)
         for _ in range(CAPTURE_AT):
-            buf.sample_sequences(64, 8)  # 7 of ~44 anchors qualify: most batches redraw
+            buf.sample_sequences(64, 8)  # 7 of 51 anchors qualify: every batch redraws
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
