@@ -557,22 +557,14 @@ def draws_with_and_without_graphs(device: str, tmp_path) -> tuple[bool, bool, li
             list(zip(resumed, going_on, strict=True)))  # fmt: skip
 
 
-@INTERPRETED
-def test_in_the_interpreter_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
-    # The uncaptured batches draw on the device as the graphs do: graphs change no batch.
-    with stand_in_graphs():
-        on, off, side_by_side, resumed = draws_with_and_without_graphs("cpu", tmp_path)
-    assert on
-    assert not off
-    assert len(side_by_side) == 3 * (CAPTURE_AT + 3)
-    assert all(same_batch(a, b) for a, b in side_by_side)
-    assert all(same_batch(a, b) for a, b in resumed)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_graphs_change_no_batch_and_checkpoints_continue_them(tmp_path):
-    on, off, side_by_side, resumed = draws_with_and_without_graphs("cuda", tmp_path)
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=ON_GPU)]
+)
+def test_graphs_change_no_batch_and_checkpoints_continue_them(device, tmp_path):
+    """The uncaptured batches draw on the device as the graphs do: graphs change no batch (in
+    the interpreter with the stand-in capture, and on the GPU with real graphs)."""
+    with stand_in_graphs() if device == "cpu" else contextlib.nullcontext():
+        on, off, side_by_side, resumed = draws_with_and_without_graphs(device, tmp_path)
     assert on
     assert not off
     assert len(side_by_side) == 3 * (CAPTURE_AT + 3)
