@@ -1,7 +1,7 @@
 """Compiled CPU kernels (numba; the ``fast`` extra): prioritized draws and writes of the
-pure-torch priority index, n-step windows over CPU episode storage, the scattered row
-writes of episode storage, and the row bookkeeping (links, anchors) a flush and an eviction
-write, on the host whatever the storing device.
+pure-torch priority index, n-step windows and frame-stack rows over CPU episode storage, the
+scattered row writes of episode storage, and the row bookkeeping (links, anchors) a flush and
+an eviction write, on the host whatever the storing device.
 
 Written by hand because neither torch, numpy nor TorchRL has them. Both jobs are a few hundred
 independent walks through large tables (a search per mass, a chain of links per anchor), and
@@ -206,6 +206,28 @@ def nstep_windows(
         first_step[b] = step[start[b]]
         first_episode[b] = episode[start[b]]
     return ends, total, terminal, truncated, cut, discount, m, first_step, first_episode
+
+
+@njit(types.Tuple((_I64, _BOOL))(_I64_IN, types.int64, _I64_IN), cache=True, boundscheck=False)
+def stack_rows(rows: np.ndarray, k: int, prev_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`replaybuf.index.stack_rows` of ``rows [N]`` (k >= 1), flattened: ``stacked``
+    and ``real`` ``[N * k]``, row i's stack at ``[i * k, (i + 1) * k)``, oldest first. The
+    numpy version makes ~4 calls per step back (~15 µs for W3's 64 rows, k = 4); this is one
+    loop, one step back for every row at a time (independent loads)."""
+    count = rows.shape[0]
+    stacked = np.empty(count * k, np.int64)
+    real = np.empty(count * k, np.bool_)
+    for i in range(count):
+        stacked[i * k + k - 1] = rows[i]
+        real[i * k + k - 1] = True
+    for j in range(1, k):  # position k - 1 - j: j steps back, or the episode's first row
+        for i in range(count):
+            at = i * k + k - 1 - j
+            here = stacked[at + 1]
+            before = prev_row[here]
+            real[at] = before >= 0
+            stacked[at] = before if before >= 0 else here
+    return stacked, real
 
 
 _WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, types.uint64)]

@@ -123,7 +123,12 @@ def _stacked_observations_at(
         stacked, real = fused or stack_rows(_tensor(rows), k, prev_row)  # [N, k]
     else:
         rows = rows if isinstance(rows, np.ndarray) else rows.numpy()
-        stacked, real = stack_rows(rows, k, host.prev_row)
+        if core.kernels is not None:  # one compiled loop, not ~4 numpy calls per frame back
+            flat_rows = np.ascontiguousarray(rows.reshape(-1), dtype=np.int64)
+            flat, flat_real = core.kernels.stack_rows(flat_rows, k, host.prev_row)
+            stacked, real = flat.reshape(*rows.shape, k), flat_real.reshape(*rows.shape, k)
+        else:
+            stacked, real = stack_rows(rows, k, host.prev_row)
     values = core.slots.take(_tensor(stacked.reshape(-1)), keys)  # [N * k, *field]
     flat_real = _tensor(real.reshape(-1))
     return [_zero_padding(core, v, flat_real).reshape(*stacked.shape, *v.shape[1:]) for v in values]
@@ -279,19 +284,40 @@ def _host_nstep_values(
     return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]
 
 
+class _HostStacks(NamedTuple):
+    """The frames of both window ends' k-frame stacks (:func:`replaybuf.kernels.stack_rows`
+    of ``ends``): their rows and which are real, ``[2B * k]`` each."""
+
+    rows: np.ndarray
+    real: np.ndarray
+    k: int
+    zero: bool  # "zero" padding: frames before an episode's first are zeros, not its first
+
+    def take(self, view: np.ndarray) -> np.ndarray:
+        """The stacks ``[2B, k, *field]`` of one observation view (padding as
+        :func:`_zero_padding` makes it, written only where a stack has some)."""
+        frames = view.take(self.rows, axis=0)  # a fresh array: zeroed in place
+        if self.zero and not self.real.all():
+            frames[~self.real] = 0
+        return frames.reshape(-1, self.k, *frames.shape[1:])
+
+
 def _host_gathers(
     observations: Sequence[np.ndarray],
     steps: Sequence[np.ndarray],
     ends: np.ndarray,
     start: np.ndarray,
     info: list[Values],
+    stacks: _HostStacks | None = None,
 ) -> list[Values]:
     """The host paths' values in :func:`_nstep_keys`' order: each observation view at both
-    window ends (one take of ``ends``, split), each step view at ``start``, then ``info``."""
+    window ends (one take of ``ends``, or of ``stacks``' frames, split), each step view at
+    ``start``, then ``info``."""
     batch = start.shape[0]
     values: list[Values] = []
     for view in observations:
-        both = view.take(ends, axis=0)  # [2B]: the window starts, then its ends
+        # [2B]: the window starts, then its ends
+        both = view.take(ends, axis=0) if stacks is None else stacks.take(view)
         values += [both[:batch], both[batch:]]
     values += [view.take(start, axis=0) for view in steps]
     return values + info
@@ -331,6 +357,9 @@ class _HostPlan(NamedTuple):
     rewards: np.ndarray  # the 1-D reward column
     links: HostLinks  # the row links' host columns
     windows: Callable[..., tuple[np.ndarray, ...]]  # kernels.nstep_windows
+    stack_rows: Callable[..., tuple[np.ndarray, np.ndarray]]  # kernels.stack_rows
+    frame_stack: int | None  # the core's k
+    zero_padding: bool  # the core's frame padding is "zero"
 
 
 def uniform_host_nstep(
@@ -344,14 +373,14 @@ def uniform_host_nstep(
     """A uniform draw with replacement (:func:`draw_anchors`) and its :func:`nstep_batch`, or
     None where this path does not apply: then the caller takes those two.
 
-    It applies to CPU storage delivering on the CPU, without priorities, frame stacking or a
-    random n, where :func:`_host_nstep_values` and the compiled window kernel would run; it
-    makes the same draws and returns the same values. Handwritten as one pass because the
-    general path's per-batch lookups and conversions (views by key, the key lists, torch and
-    numpy views of the anchors) weigh on small batches: W3's ``sample_n_step(32)`` of 28 KB
-    frames took 8-29 µs less on the 2-core dev VM (1.04-1.47x -> 0.94-1.36x the floor over
-    ten paired runs; see benchmarks/RESULTS.md).
-    """
+    It applies to CPU storage delivering on the CPU, without priorities or a random n, where
+    the compiled window kernel runs and every gathered column has a numpy view; it makes the
+    same draws and returns the same values (frame stacks too: their rows found by one compiled
+    loop, where the general path makes ~4 numpy calls per frame back). Handwritten as one
+    pass because the general path's per-batch lookups and conversions (views by key, the key
+    lists, torch and numpy views of the anchors) weigh on small batches: W3's
+    ``sample_n_step(32)`` of 28 KB frames took 8-29 µs less on the 2-core dev VM (1.04-1.47x
+    -> 0.94-1.36x the floor over ten paired runs; see benchmarks/RESULTS.md)."""
     if core.priorities is not None or isinstance(n, tuple) or device.type != "cpu":
         return None
     plan = _host_plan(core)
@@ -359,7 +388,12 @@ def uniform_host_nstep(
         return None
     start = core.anchors.sample_host(batch_size, generator)
     ends, *info = _compiled_windows(plan.windows, start, _NO_N, n, plan.links, plan.rewards, gamma)
-    values = _host_gathers(plan.observations, plan.steps, ends, start, info)
+    stacks = None
+    if plan.frame_stack is not None:
+        k = plan.frame_stack
+        rows, real = plan.stack_rows(ends, k, plan.links.prev_row)
+        stacks = _HostStacks(rows, real, k, plan.zero_padding)
+    values = _host_gathers(plan.observations, plan.steps, ends, start, info, stacks)
     tensors = [torch.from_numpy(v) for v in values]
     return build_tensordict(plan.keys, tensors, batch_size, device)
 
@@ -376,7 +410,9 @@ def _host_plan(core: EpisodeCore) -> _HostPlan | None:
 
 def _new_host_plan(core: EpisodeCore) -> _HostPlan | None:
     host = core.links.host
-    if core.frame_stack is not None or core.kernels is None or host is None:
+    if core.kernels is None or host is None:
+        return None
+    if core.frame_stack is not None and host.prev_row is None:
         return None
     if not core.anchors.on_host:
         return None
@@ -401,6 +437,9 @@ def _new_host_plan(core: EpisodeCore) -> _HostPlan | None:
         rewards,
         host,
         core.kernels.nstep_windows,
+        core.kernels.stack_rows,
+        core.frame_stack,
+        core.frame_padding == "zero",
     )
 
 

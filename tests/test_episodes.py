@@ -813,6 +813,8 @@ def _assert_same_batches(got: TensorDict, want: TensorDict) -> None:
     seed=st.integers(0, 2**31 - 1),
     reward_dtype=st.sampled_from([torch.float32, torch.float64]),
     nested=st.booleans(),
+    frame_stack=st.sampled_from([None, 1, 2, 4]),
+    padding=st.sampled_from(["reset", "zero"]),
 )
 def test_one_pass_uniform_n_step_batches_are_the_general_paths(
     make_episode_buffer,
@@ -825,18 +827,23 @@ def test_one_pass_uniform_n_step_batches_are_the_general_paths(
     seed,
     reward_dtype,
     nested,
+    frame_stack,
+    padding,
 ):
     """``sample_n_step`` on CPU storage (draw, windows and gathers in one pass: sampling.
     uniform_host_nstep) against draw_anchors + nstep_batch on the same buffer, the generator
     seeded alike: the same batch, key for key, over random episode layouts with evictions,
     episodes in progress and both end kinds; float32 and float64 rewards (the kernel's two
-    signatures), flat and nested observations."""
+    signatures), flat and nested observations, with and without frame stacks (both
+    paddings; episode e's frames are nonzero from e = 1, so a padding frame left unzeroed or
+    zeroed wrongly shows)."""
     from replaybuf.sampling import _HOST_PLAN
 
     def observed(value: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         return {"pos": value, "img": value.to(torch.uint8)} if nested else value
 
-    buf = make_episode_buffer(max_steps, storage=storage)
+    stacking = {} if frame_stack is None else {"frame_stack_padding": padding}
+    buf = make_episode_buffer(max_steps, storage=storage, frame_stack=frame_stack, **stacking)
     for length, status in episodes:
         ep = buf.start_episode()
         for t in range(length):
@@ -883,8 +890,8 @@ def test_the_one_pass_plan_lives_as_long_as_the_columns(make_episode_buffer):
 
 
 def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, monkeypatch):
-    """Random n, priorities, frame stacking, another device and the numpy index (no numba)
-    take the general path: uniform_host_nstep returns None for them."""
+    """Random n, priorities, another device and the numpy index (no numba) take the general
+    path: uniform_host_nstep returns None for them (frame stacks do not: it builds them)."""
     from replaybuf.sampling import uniform_host_nstep
 
     def filled(**kwargs):
@@ -901,7 +908,9 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
     prioritized = filled(prioritized=True)
     assert uniform_host_nstep(prioritized._core, *args, cpu, prioritized._generator) is None
     stacked = filled(frame_stack=2)
-    assert uniform_host_nstep(stacked._core, *args, cpu, stacked._generator) is None
+    batch = uniform_host_nstep(stacked._core, *args, cpu, stacked._generator)
+    assert batch is not None
+    assert batch["observation"].shape == (4, 2, 3)
     for name, dtype in (
         ("reward", torch.float16),
         ("reward", torch.int64),

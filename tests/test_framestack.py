@@ -310,17 +310,26 @@ def test_fast_append_path_still_applies_with_frame_stacking(make):
     assert_nstep_batch(buf.sample_n_step(8, n=3, gamma=0.9), ref, 3, 0.9)
 
 
-def test_prioritized_sampling_returns_stacks_with_index_and_weight(make):
-    buf = make(frame_stack=2, prioritized=True)
-    e = buf.start_episode()
-    for t in range(4):
-        buf.append_observation_action_reward(e, obs(e, t), action(e, t), reward(e, t))
-    buf.end_episode(e, "truncated", final_observation=final_obs(e, 4))
+@pytest.mark.parametrize("padding", ["reset", "zero"])
+def test_prioritized_sampling_returns_stacks_with_index_and_weight(make, padding):
+    """Prioritized batches take the general path (the stack rows from the compiled loop where
+    numba runs): the reference's stacks, padded as asked, with index and weight."""
+    buf = make(frame_stack=3, frame_stack_padding=padding, prioritized=True)
+    ref = reference_for(buf)
+    for steps in (1, 4):  # episode 1's frames are nonzero: a wrong padding shows
+        e = buf.start_episode()
+        ref.start()
+        for t in range(steps):
+            buf.append_observation_action_reward(e, obs(e, t), action(e, t), reward(e, t))
+            ref.append([e], [obs(e, t)], [action(e, t)], [reward(e, t)])
+        buf.end_episode(e, "truncated", final_observation=final_obs(e, steps))
+        ref.end(e, "truncated", final_obs(e, steps))
     batch = buf.sample_n_step(8, n=2)
-    assert batch["observation"].shape == (8, 2, 3)
+    assert batch["observation"].shape == (8, 3, 3)
+    assert_nstep_batch(batch, ref, 2, 0.99)
     assert buf.update_priorities(batch["index"], torch.ones(8)) == 8
     seq = buf.sample_sequences(2, 3)
-    assert seq["observation"].shape == (2, 3, 2, 3)
+    assert seq["observation"].shape == (2, 3, 3, 3)
     assert seq["weight"].shape == (2, 3)
 
 

@@ -28,6 +28,7 @@ from replaybuf.index import (
     nstep_windows,
     sequence_rows,
     sequence_rows_by_jumps,
+    stack_rows,
 )
 from replaybuf.nstep import bootstrap_discount, host_powers, reward_powers, window_return
 
@@ -378,6 +379,36 @@ def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data
         assert float(total[i]) == pytest.approx(slow, rel=1e-5, abs=1e-3)
     assert np.array_equal(first_step, step[start])
     assert np.array_equal(first_episode, episode[start])
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_compiled_stack_rows_match_the_oracle_and_the_numpy_path(layout, data):
+    """replaybuf.kernels.stack_rows (flat [N * k]) against a slow list per row (the rows j
+    steps back in its episode, the first row where there is none) and index.stack_rows."""
+    from replaybuf import kernels
+
+    episodes, rows = layout
+    k = data.draw(st.integers(1, 5))
+    prev_row = np.full(rows, -1, np.int64)
+    where: dict[int, tuple[list[int], int]] = {}  # row -> (its episode's rows, its index)
+    for ep_rows, _ in episodes:
+        for t, row in enumerate(ep_rows):
+            where[row] = (ep_rows, t)
+            if t:
+                prev_row[row] = ep_rows[t - 1]
+    picks = np.array(data.draw(st.lists(st.sampled_from(sorted(where)), max_size=8)), np.int64)
+    stacked, real = kernels.stack_rows(picks, k, prev_row)
+    assert stacked.shape == real.shape == (picks.shape[0] * k,)
+    for i, row in enumerate(picks.tolist()):
+        ep_rows, t = where[row]
+        want = [ep_rows[max(t - j, 0)] for j in range(k - 1, -1, -1)]  # oldest first
+        assert stacked[i * k : (i + 1) * k].tolist() == want
+        assert real[i * k : (i + 1) * k].tolist() == [t - j >= 0 for j in range(k - 1, -1, -1)]
+    numpy_rows, numpy_real = stack_rows(picks, k, prev_row)
+    assert np.array_equal(stacked, numpy_rows.reshape(-1))
+    assert np.array_equal(real, numpy_real.reshape(-1))
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
