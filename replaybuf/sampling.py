@@ -299,7 +299,8 @@ class _HostStacks(NamedTuple):
         frames = view.take(self.rows, axis=0)  # a fresh array: zeroed in place
         if self.zero and not self.real.all():
             frames[~self.real] = 0
-        return frames.reshape(-1, self.k, *frames.shape[1:])
+        # the count of stacks given: a field of no elements leaves -1 nothing to divide
+        return frames.reshape(self.rows.shape[0] // self.k, self.k, *frames.shape[1:])
 
 
 def _host_gathers(

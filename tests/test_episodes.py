@@ -834,13 +834,15 @@ def test_one_pass_uniform_n_step_batches_are_the_general_paths(
     uniform_host_nstep) against draw_anchors + nstep_batch on the same buffer, the generator
     seeded alike: the same batch, key for key, over random episode layouts with evictions,
     episodes in progress and both end kinds; float32 and float64 rewards (the kernel's two
-    signatures), flat and nested observations, with and without frame stacks (both
-    paddings; episode e's frames are nonzero from e = 1, so a padding frame left unzeroed or
-    zeroed wrongly shows)."""
+    signatures), flat and nested observations (one leaf of no elements), with and without
+    frame stacks (both paddings; episode e's frames are nonzero from e = 1, so a padding frame
+    left unzeroed or zeroed wrongly shows)."""
     from replaybuf.sampling import _HOST_PLAN
 
     def observed(value: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        return {"pos": value, "img": value.to(torch.uint8)} if nested else value
+        if not nested:
+            return value
+        return {"pos": value, "img": value.to(torch.uint8), "empty": value[:0]}  # no elements
 
     stacking = {} if frame_stack is None else {"frame_stack_padding": padding}
     buf = make_episode_buffer(max_steps, storage=storage, frame_stack=frame_stack, **stacking)
