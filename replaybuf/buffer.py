@@ -27,6 +27,7 @@ from replaybuf.prioritized import (
     Prioritizer,
     check_beta,
     check_priorities,
+    host_update_inputs,
     parse_ids,
     priority_stats,
     ring_ids,
@@ -318,6 +319,10 @@ class ReplayBuffer:
         self._check_open()
         if self._priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
+        if self.storing_device.type == "cpu":
+            applied = self._update_host(self._priorities, index, priority)
+            if applied is not None:
+                return applied
         ids = parse_ids(index, self.storing_device)
         values = check_priorities(priority, ids.numel(), self.storing_device)
         if ids.numel() == 0:
@@ -335,6 +340,17 @@ class ReplayBuffer:
         live = ids >= self._writes - self._size
         self._priorities.update(ids[live] % self.buffer_size, values[live])
         return int(live.sum())
+
+    def _update_host(self, priorities: Prioritizer, index: Any, priority: Any) -> int | None:
+        """:meth:`update_priorities` in numpy on CPU storage, where the inputs are well formed
+        and every id is live; None otherwise (nothing written: the checked torch path runs)."""
+        host = host_update_inputs(index, priority)
+        if host is None:
+            return None
+        ids, values = host
+        if ids.min() < self._writes - self._size or ids.max() >= self._writes:
+            return None
+        return ids.shape[0] if priorities.update_host(ids % self.buffer_size, values) else None
 
     def set_beta(self, beta: float) -> None:
         """Change the importance-weight exponent (anneal it towards 1 during training)."""

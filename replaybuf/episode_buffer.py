@@ -30,6 +30,7 @@ from replaybuf.prioritized import (
     Prioritizer,
     check_beta,
     check_priorities,
+    host_update_inputs,
     parse_ids,
     priority_stats,
 )
@@ -423,6 +424,12 @@ class SyncEpisodeReplayBuffer:
         priorities = self._core.priorities
         if priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
+        host = host_update_inputs(index, priority) if self._core.links.host is not None else None
+        if host is not None:  # numpy on the host columns (CPU storage), while nothing is wrong
+            self._core.flush()
+            found = self._core.live_rows_host(host[0])
+            if found is not None and priorities.update_host(found[0], host[1][found[1]]):
+                return int(found[1].sum())
         ids = parse_ids(index, self.storing_device)
         values = check_priorities(priority, ids.numel(), self.storing_device)
         self._core.flush()

@@ -958,6 +958,19 @@ class EpisodeCore:
         )
         return rows, live
 
+    def live_rows_host(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`live_rows` in numpy on the host columns, the live rows only: ``(rows[live],
+        live)``; None where some id was never a row's (then live_rows raises)."""
+        host = self.links.host
+        assert host is not None, "the host columns: CPU storage"
+        capacity = self.slots.capacity
+        made = ids // capacity  # the allocation each id names
+        if ids.min() < 0 or made.max() >= self.allocations:
+            return None
+        rows = ids % capacity
+        live = (host.alloc[rows] == made) & (host.next_row[rows] >= 0)
+        return rows[live], live
+
     def _link(self, row: int, next_row: int) -> None:
         self._staged_links += (row, next_row)
         self.valid_steps += 1

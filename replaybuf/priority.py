@@ -254,6 +254,12 @@ class PriorityIndex(abc.ABC):
                 return
         self.set(items, weights)  # raises set's error for the bad input
 
+    def set_in_range_host(self, items: np.ndarray, weights: np.ndarray) -> bool:
+        """:meth:`set_in_range` for numpy ``items`` (int64 ``[k]``, k >= 1, in range) and
+        float64 ``weights``, where this index writes them without torch calls; False where it
+        does not, or the weights fail its checks (nothing written: call set_in_range)."""
+        return False
+
     def get(self, items: torch.Tensor) -> torch.Tensor:
         """The float32 weights ``[k]`` of ``items`` (long ``[k]``), on ``device``.
 
@@ -477,6 +483,20 @@ class TorchPriorityIndex(_LeafIndex):
         self.__dict__.update(state)
         if self._running is not None:  # the CPU: the same kernels as the original
             self._attach_host(compiled_kernels() if self.kernels == "numba" else None)
+
+    def set_in_range_host(self, items: np.ndarray, weights: np.ndarray) -> bool:
+        # set_in_range's checks and _write's compiled branch, in numpy: their dozen torch
+        # calls cost ~90 µs of a 170 µs update of 256 items at 1M (the kernel ~50 µs).
+        host, compiled = self._host, self.compiled
+        if host is None or compiled is None or items.shape[0] * 4 >= self._blocks.numel():
+            return False
+        weights32 = weights.astype(np.float32)  # torch's .to(float32) rounding
+        if not (weights32.min() >= 0 and weights32.max() <= FLOAT32_MAX):  # NaN fails both
+            return False
+        stored = np.where(weights32 > 0, weights32, np.float32(0)).astype(np.float64)  # -0.0
+        compiled.write(np.ascontiguousarray(items, dtype=np.int64), stored, *host)
+        self._stats = self._read_stats()
+        return True
 
     def _write(self, items: torch.Tensor, weights: torch.Tensor) -> None:
         few = items.numel() * 4 < self._blocks.numel()  # else many blocks: redo them all

@@ -7,11 +7,15 @@ import asyncio
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer, compiled
+from replaybuf.prioritized import Prioritizer
 from replaybuf.priority import make_priority_index
 
 
@@ -119,6 +123,152 @@ def test_bad_priority_updates_raise_and_change_nothing(
         with pytest.raises(error, match=match):
             buf.update_priorities(index, priority)
         assert torch.equal(buf._priorities.tree.weights(), before)
+
+
+@pytest.mark.parametrize(
+    ("index", "priority", "error", "match"),
+    [
+        (torch.tensor([0, 1]), torch.tensor([1.0]), ValueError, "expected 2, got 1"),
+        (torch.tensor([0]), torch.tensor([-1.0]), ValueError, "finite and >= 0, got -1"),
+        (np.array([0]), np.array([np.nan]), ValueError, "finite and >= 0, got nan"),
+        (torch.tensor([0]), torch.tensor([np.inf]), ValueError, "finite and >= 0, got inf"),
+        (torch.tensor([5000]), torch.ones(1), IndexError, "got 5000"),
+        (torch.tensor([-1]), torch.ones(1), IndexError, "got -1"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["ring", "episodes"])
+def test_bad_updates_as_arrays_raise_the_checked_paths_errors(
+    tmp_path: Path, kind, index, priority, error, match
+) -> None:
+    """CPU tensors and numpy arrays take the numpy path (host_update_inputs) while nothing is
+    wrong; bad values and ids fall through to the checked torch path: its error, no change.
+    (Buffers of 2,048 items: the numpy path writes when the update touches few blocks.)"""
+    if kind == "ring":
+        buf = ring(tmp_path, "torch", capacity=2048)
+        add(buf, 0, 4)
+        tree = buf._priorities.tree
+    else:
+        buf = episodes(tmp_path, max_steps=2048)
+        write(buf, 4)
+        buf.sample_n_step(1)  # the staged steps enter the tree (as any update first does)
+        tree = buf._core.priorities.tree
+        if match == "got 5000":  # an id of a later allocation is merely stale here
+            index, match = torch.tensor([10**9]), "got 1000000000, which no step ever had"
+    with buf:
+        before = tree.weights().clone()
+        with pytest.raises(error, match=match):
+            buf.update_priorities(index, priority)
+        assert torch.equal(tree.weights(), before)
+
+
+@pytest.mark.skipif(
+    compiled.kernels_unavailable_reason() is not None,
+    reason=f"{compiled.kernels_unavailable_reason()}",
+)
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.integers(1, 30),  # 60x: items (ring) or steps (episodes) written before a batch
+            st.integers(1, 12),  # batch size
+            st.sampled_from(["float32", "float64", "numpy", "zeros"]),
+            st.booleans(),  # also update the previous round's ids (stale ones skipped)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    kind=st.sampled_from(["ring", "episodes"]),
+)
+def test_updates_from_arrays_match_the_checked_torch_path(tmp_path: Path, rounds, kind) -> None:
+    """Twin buffers of 2,048 items, one updated with CPU tensors or arrays (the numpy path)
+    and one with the same values as lists (the checked torch path): the same counts applied,
+    the same weights bit for bit, the same stats, so the same batches next; stale ids
+    (overwritten items, evicted steps), duplicates and zero priorities included."""
+    if kind == "ring":
+        twins = [ring(tmp_path, "torch", capacity=2048, alpha=0.6, eps=1e-3) for _ in range(2)]
+    else:
+        twins = [episodes(tmp_path, max_steps=2048, alpha=0.6, eps=1e-3) for _ in range(2)]
+    fast, slow = twins
+    rng = np.random.default_rng(len(rounds))
+    written, previous = 0, None
+    for count, size, form, again in rounds:
+        for buf in twins:
+            if kind == "ring":
+                add(buf, written, 60 * count)
+            else:
+                write(buf, 60 * count, end=count % 3 != 0)
+        written += 60 * count
+        if kind == "ring":
+            batches = [buf.sample_batch(size) for buf in twins]
+        else:
+            batches = [buf.sample_n_step(size) for buf in twins]
+        assert torch.equal(batches[0]["index"], batches[1]["index"])
+        ids = batches[0]["index"]
+        if again and previous is not None:
+            ids = torch.cat([previous, ids])
+        values = np.abs(rng.normal(size=ids.shape[0])) * (form != "zeros")
+        given_ = {
+            "float32": torch.from_numpy(values.astype(np.float32)),
+            "float64": torch.from_numpy(values),
+            "numpy": values,
+            "zeros": torch.from_numpy(values),
+        }[form]
+        as_list = torch.as_tensor(given_).double().tolist()
+        assert fast.update_priorities(ids, given_) == slow.update_priorities(ids.tolist(), as_list)
+        trees = [b._priorities.tree if kind == "ring" else b._core.priorities.tree for b in twins]
+        assert torch.equal(trees[0].weights(), trees[1].weights())
+        assert [trees[0].total(), trees[0].min_positive(), trees[0].max()] == [
+            trees[1].total(), trees[1].min_positive(), trees[1].max()
+        ]  # fmt: skip
+        previous = ids
+    for buf in twins:
+        buf.close()
+
+
+@pytest.mark.parametrize("form", ["list", "tensor"])
+def test_updates_of_evicted_steps_whose_rows_lie_free_are_skipped(tmp_path: Path, form) -> None:
+    """An evicted step's row that no later step took keeps its allocation number but lost its
+    link: an update naming it applies nothing, on the torch path (lists) and the numpy one."""
+    with episodes(tmp_path, max_steps=2048) as buf:
+        write(buf, 1500)
+        index = buf.sample_n_step(16, replace=False)["index"]
+        write(buf, 1000)  # evicts the first episode; 1,000 of its rows are taken again
+        buf.sample_n_step(1)  # the staged steps enter the tree (as any update first does)
+        assert buf.stats()["evicted_episodes"] == 1
+        core = buf._core
+        rows, made = index % core.slots.capacity, index // core.slots.capacity
+        assert bool((core.links.alloc[rows] == made).any())  # some rows still lie free
+        tree = core.priorities.tree
+        before = tree.weights().clone()
+        priority = [5.0] * 16 if form == "list" else torch.full((16,), 5.0)
+        assert buf.update_priorities(index if form == "tensor" else index.tolist(), priority) == 0
+        assert torch.equal(tree.weights(), before)
+
+
+@pytest.mark.skipif(
+    compiled.kernels_unavailable_reason() is not None,
+    reason=f"{compiled.kernels_unavailable_reason()}",
+)
+def test_well_formed_cpu_updates_skip_the_torch_path(tmp_path: Path, monkeypatch) -> None:
+    """Ids from a batch and CPU priorities: the numpy path applies them on both buffers (the
+    torch path, made to fail here, is not taken), and the draws follow the new priorities."""
+    with ring(tmp_path, "torch", capacity=2048, alpha=1.0, eps=0.0) as buf:
+        add(buf, 0, 2048)
+        ids = torch.arange(8)
+        buf.update_priorities(torch.arange(8, 2048).tolist(), [0.0] * 2040)  # the torch path
+        monkeypatch.setattr(Prioritizer, "update", lambda *_: pytest.fail("took the torch path"))
+        assert buf.update_priorities(ids, torch.tensor([0.0] * 7 + [3.0])) == 8
+        assert set(buf.sample_batch(64)["x"].tolist()) == {7.0}
+        monkeypatch.undo()
+    with episodes(tmp_path, max_steps=2048, alpha=1.0, eps=0.0) as buf:
+        write(buf, 5)
+        batch = buf.sample_n_step(5, replace=False)
+        monkeypatch.setattr(Prioritizer, "update", lambda *_: pytest.fail("took the torch path"))
+        priority = (batch["start_step"] == 2).float()  # only step 2 keeps a weight
+        assert buf.update_priorities(batch["index"], priority.numpy()) == 5
+        assert set(buf.sample_n_step(64)["start_step"].tolist()) == {2}
 
 
 @pytest.mark.parametrize(
