@@ -319,7 +319,7 @@ class ReplayBuffer:
         self._check_open()
         if self._priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        if self.storing_device.type == "cpu":
+        if self._priorities.tree.host_writes:  # CPU storage, with the compiled kernels
             applied = self._update_host(self._priorities, index, priority)
             if applied is not None:
                 return applied

@@ -424,7 +424,8 @@ class SyncEpisodeReplayBuffer:
         priorities = self._core.priorities
         if priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        host = host_update_inputs(index, priority) if self._core.links.host is not None else None
+        fast = priorities.tree.host_writes and self._core.links.host is not None
+        host = host_update_inputs(index, priority) if fast else None
         if host is not None:  # numpy on the host columns (CPU storage), while nothing is wrong
             self._core.flush()
             found = self._core.live_rows_host(host[0])

@@ -254,6 +254,11 @@ class PriorityIndex(abc.ABC):
                 return
         self.set(items, weights)  # raises set's error for the bad input
 
+    @property
+    def host_writes(self) -> bool:
+        """Whether :meth:`set_in_range_host` may write (else it always declines)."""
+        return False
+
     def set_in_range_host(self, items: np.ndarray, weights: np.ndarray) -> bool:
         """:meth:`set_in_range` for numpy ``items`` (int64 ``[k]``, k >= 1, in range) and
         float64 ``weights``, where this index writes them without torch calls; False where it
@@ -483,6 +488,10 @@ class TorchPriorityIndex(_LeafIndex):
         self.__dict__.update(state)
         if self._running is not None:  # the CPU: the same kernels as the original
             self._attach_host(compiled_kernels() if self.kernels == "numba" else None)
+
+    @property
+    def host_writes(self) -> bool:
+        return self._host is not None and self.compiled is not None
 
     def set_in_range_host(self, items: np.ndarray, weights: np.ndarray) -> bool:
         # set_in_range's checks and _write's compiled branch, in numpy: their dozen torch
