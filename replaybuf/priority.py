@@ -499,7 +499,8 @@ class TorchPriorityIndex(_LeafIndex):
         host, compiled = self._host, self.compiled
         if host is None or compiled is None or items.shape[0] * 4 >= self._blocks.numel():
             return False
-        weights32 = weights.astype(np.float32)  # torch's .to(float32) rounding
+        with np.errstate(over="ignore"):  # an overflow to inf fails the check below, quietly
+            weights32 = weights.astype(np.float32)  # torch's .to(float32) rounding
         if not (weights32.min() >= 0 and weights32.max() <= FLOAT32_MAX):  # NaN fails both
             return False
         stored = np.where(weights32 > 0, weights32, np.float32(0)).astype(np.float64)  # -0.0

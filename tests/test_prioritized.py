@@ -227,6 +227,50 @@ def test_updates_from_arrays_match_the_checked_torch_path(tmp_path: Path, rounds
         buf.close()
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no cast warning before the error
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda p: p[::-1], ValueError, "stride"),  # torch.as_tensor refuses negative strides
+        (lambda p: p.astype(">f8"), ValueError, "byte order"),
+        (lambda p: p.astype(np.longdouble), TypeError, "longdouble"),
+        (lambda p: np.ma.masked_array(p - 3, mask=[0, 1, 0, 0]), ValueError, "got -2"),
+        (lambda p: p * 1e300, ValueError, "finite and >= 0 in float32"),  # overflows float32
+        (lambda p: np.matrix(p), None, None),  # read as a flat [4]: applied, as from a list
+    ],
+)
+@pytest.mark.parametrize("kind", ["ring", "episodes"])
+def test_odd_numpy_priorities_get_what_the_checked_path_gives(
+    tmp_path: Path, kind, make, error, match
+) -> None:
+    """numpy inputs that torch.as_tensor refuses, or reads differently from their face value
+    (a mask, a matrix), or that overflow float32: the checked path's error (nothing changed),
+    or its result."""
+    if kind == "ring":
+        buf = ring(tmp_path, "torch", capacity=2048, alpha=2.0, eps=0.0)
+        add(buf, 0, 4)
+        index, tree = np.arange(4), buf._priorities.tree
+    else:
+        buf = episodes(tmp_path, max_steps=2048, alpha=2.0, eps=0.0)
+        write(buf, 4)
+        index, tree = (
+            buf.sample_n_step(4, replace=False)["index"].numpy(),
+            buf._core.priorities.tree,
+        )
+    with buf:
+        before = tree.weights().clone()
+        priority = make(np.array([1.0, 2.0, 3.0, 4.0]))
+        if error is None:
+            assert buf.update_priorities(np.matrix(index), priority) == 4
+            weights = tree.weights()
+            assert sorted(weights[weights > 0].tolist()) == [1.0, 4.0, 9.0, 16.0]
+            return
+        with pytest.raises(error, match=match):
+            buf.update_priorities(index, priority)
+        assert torch.equal(tree.weights(), before)
+
+
 @pytest.mark.parametrize("form", ["list", "tensor"])
 def test_updates_of_evicted_steps_whose_rows_lie_free_are_skipped(tmp_path: Path, form) -> None:
     """An evicted step's row that no later step took keeps its allocation number but lost its
