@@ -74,6 +74,9 @@ def check_priorities(priority: Any, count: int, device: torch.device) -> torch.T
     return values.to(device)
 
 
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))  # native order
+
+
 def host_update_inputs(index: Any, priority: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """``index`` and ``priority`` as numpy ``(ids int64 [k], values float64 [k])``, k >= 1,
     where both come as CPU tensors or numpy arrays (int64 ids; float values, finite, >= 0);
@@ -88,9 +91,6 @@ def host_update_inputs(index: Any, priority: Any) -> tuple[np.ndarray, np.ndarra
     if not (values.min() >= 0 and values.max() < math.inf):  # NaN fails both
         return None
     return ids, values
-
-
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))  # native order
 
 
 def _host_array(value: Any) -> np.ndarray | None:
