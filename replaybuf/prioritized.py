@@ -96,13 +96,15 @@ def host_update_inputs(index: Any, priority: Any) -> tuple[np.ndarray, np.ndarra
 def _host_array(value: Any) -> np.ndarray | None:
     """A numpy array (a plain one, as torch.as_tensor reads it: no matrix, the data under a
     mask) or a CPU tensor's numpy view, else None. Arrays torch.as_tensor refuses (negative
-    strides; other byte orders fail the dtype checks) get None too: the checked path raises."""
+    strides; other byte orders fail the dtype checks) get None too: the checked path raises.
+    A CUDA tensor (a batch's index and TD errors on the learner's GPU, storage on the CPU)
+    is copied to the host first, as the checked path would copy it."""
     if isinstance(value, np.ndarray):
         array = np.asarray(value)
         return array if all(stride >= 0 for stride in array.strides) else None
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+    if isinstance(value, torch.Tensor) and value.device.type in ("cpu", "cuda"):
         try:
-            return value.detach().numpy()
+            return value.detach().cpu().numpy()
         except (RuntimeError, TypeError):  # bfloat16, a conjugate or negative view
             return None
     return None

@@ -275,6 +275,44 @@ def test_episode_priorities_on_cuda_follow_the_per_law_and_skip_stale_updates():
         assert small.update_priorities(index, [5.0] * 4) == 0
 
 
+@pytest.mark.parametrize("kind", ["ring", "episodes"])
+def test_cuda_learners_priority_updates_into_cpu_storage_match_the_checked_path(
+    tmp_path: Path, kind
+):
+    """CPU storage, batches on the GPU: an update from the batch's CUDA index and CUDA TD
+    errors (copied to the host, then the numpy path) gives the weights that the same values
+    as lists (the checked path) give a twin buffer, bit for bit."""
+
+    def make():
+        if kind == "ring":
+            buf = ReplayBuffer("cuda", "cpu", 2048, storage="memmap", scratch_dir=tmp_path,
+                               seed=0, prioritized=True, priority_backend="torch")  # fmt: skip
+            buf.add_batch({"x": torch.arange(3000.0)})
+            return buf
+        buf = SyncEpisodeReplayBuffer(2048, device="cuda", storing_device="cpu",
+                                      scratch_dir=tmp_path, seed=0, prioritized=True,
+                                      priority_backend="torch")  # fmt: skip
+        for e in range(4):
+            episode = buf.start_episode()
+            for t in range(300):
+                buf.append_observation_action_reward(episode, *step(e, t)[:3])
+            buf.end_episode(episode, "terminated", step(e, 300)[0])
+        return buf
+
+    with make() as fast, make() as slow:
+        trees = [b._priorities.tree if kind == "ring" else b._core.priorities.tree
+                 for b in (fast, slow)]  # fmt: skip
+        for round_ in range(3):
+            batches = [b.sample_batch(12) if kind == "ring" else b.sample_n_step(12)
+                       for b in (fast, slow)]  # fmt: skip
+            index = batches[0]["index"]
+            assert index.is_cuda
+            td_error = torch.rand(12, device="cuda") + round_
+            applied = fast.update_priorities(index, td_error)
+            assert applied == slow.update_priorities(index.tolist(), td_error.double().tolist())
+            assert torch.equal(trees[0].weights(), trees[1].weights())
+
+
 def test_epochs_from_memmap_storage_reach_a_cuda_learner_whole(tmp_path: Path):
     lengths = [3, 40, 7, 25, 12, 30]
     with SyncEpisodeReplayBuffer(
