@@ -3,7 +3,8 @@
 Rows are written round-robin into ``buffer_size`` slots; once full, slot ``pointer`` holds the
 oldest transition and is the next one overwritten. Every write is converted and checked against
 the field spec fixed by the first write before TorchRL sees it, so a bad write raises and leaves
-the buffer exactly as it was.
+the buffer exactly as it was. Every public call runs under the buffer's lock, so threads may
+share it (:mod:`replaybuf.threads`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ from replaybuf.prioritized import (
 )
 from replaybuf.schema import FieldSpec, Key, to_leaves
 from replaybuf.storage import NORMAL_TENSORS, SlotStorage, resolve_device, resolve_kind
+from replaybuf.threads import synchronized
 
 if TYPE_CHECKING:
     from replaybuf.dataset import ReplayDataset
@@ -82,6 +85,7 @@ class ReplayBuffer:
         priority_backend: str = "auto",
         spec: Any = None,
     ) -> None:
+        self._lock = threading.RLock()  # every public call runs under it (replaybuf.threads)
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
@@ -115,6 +119,7 @@ class ReplayBuffer:
 
     # ----------------------------------------------------------------- properties
     @property
+    @synchronized
     def memory(self) -> TensorDictReplayBuffer:
         """The TorchRL ``TensorDictReplayBuffer`` that holds the rows."""
         self._check_open()
@@ -156,6 +161,7 @@ class ReplayBuffer:
         )
 
     # ----------------------------------------------------------------- lifecycle
+    @synchronized
     def close(self) -> None:
         """Release storage and remove its memmap files. Idempotent."""
         if not self._closed:
@@ -181,6 +187,7 @@ class ReplayBuffer:
             self._slots.close()
             raise
 
+    @synchronized
     def reset(self, buffer_size: int | None = None) -> None:
         """Empty the buffer (the field spec too, unless declared), optionally with a new
         capacity."""
@@ -209,6 +216,7 @@ class ReplayBuffer:
             logger.warning("ReplayBuffer.reset ran the garbage collector")
 
     # ----------------------------------------------------------------- writes
+    @synchronized
     def add(self, experience: TensorDictBase | dict[str, Any]) -> None:
         """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
         self._check_open()
@@ -224,6 +232,7 @@ class ReplayBuffer:
             leaves = to_leaves(experience, batched=False, what="add", spec=spec)
         self._write({key: value.unsqueeze(0) for key, value in leaves.items()}, "add", matched)
 
+    @synchronized
     def add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
         """Add a batch of transitions (leading dimension = rows); keeps the newest on overflow."""
         self._check_open()
@@ -279,6 +288,7 @@ class ReplayBuffer:
             order = (order + self._pointer) % self.buffer_size
         return order
 
+    @synchronized
     def sample_batch(self, batch_size: int) -> TensorDict:
         """``batch_size`` transitions drawn uniformly with replacement, on ``device``."""
         self._require(batch_size)
@@ -308,6 +318,7 @@ class ReplayBuffer:
 
         return as_dataset(self, batch_size, **kwargs)
 
+    @synchronized
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled items; returns how many were applied.
 
@@ -352,6 +363,7 @@ class ReplayBuffer:
             return None
         return ids.shape[0] if priorities.update_host(ids % self.buffer_size, values) else None
 
+    @synchronized
     def set_beta(self, beta: float) -> None:
         """Change the importance-weight exponent (anneal it towards 1 during training)."""
         if self._priorities is None:
@@ -362,12 +374,14 @@ class ReplayBuffer:
         """Alias of :meth:`sample_batch` (ObjectRL's name)."""
         return self.sample_batch(batch_size)
 
+    @synchronized
     def sample_by_index(self, indices: Sequence[int] | range | torch.Tensor) -> TensorDict:
         """The transitions in the given storage slots (each in ``[0, size)``), on ``device``."""
         self._require()
         slots = index_tensor(indices, "indices", self._size, self.storing_device)
         return self._slots.gather(slots, self.device)
 
+    @synchronized
     def sample_by_index_fields(
         self, indices: Sequence[int] | range | torch.Tensor, fields: Sequence[str | Key]
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -391,12 +405,14 @@ class ReplayBuffer:
             raise KeyError(f"unknown field {field!r}; stored fields are {known}")
         return key
 
+    @synchronized
     def sample_all(self) -> TensorDict:
         """Every stored transition, oldest first, on ``device``."""
         self._require()
         return self._slots.gather(self._oldest_first(), self.device)
 
     # ----------------------------------------------------------------- epochs
+    @synchronized
     def create_epoch_iterator(
         self, batch_size: int, n_epochs: int = 1, *, shuffle: bool = True, drop_last: bool = False
     ) -> Iterator[TensorDict]:
@@ -417,37 +433,57 @@ class ReplayBuffer:
         self, batch_size: int, n_epochs: int, shuffle: bool, drop_last: bool
     ) -> Iterator[TensorDict]:
         resets = self._resets
+        oldest = 0
         for _ in range(n_epochs):
-            if shuffle:
-                # The ring fills from slot 0, so the stored slots are always 0 .. size-1 and a
-                # permutation of them is randperm itself (the same draw epoch_order makes): no
-                # arange, rotation or gather of a million indices per epoch.
-                order = torch.randperm(
-                    self._size, generator=self._generator, device=self.storing_device
-                )
-            else:
-                order = self._oldest_first()
-                oldest = self._pointer if self._size == self.buffer_size else 0  # order[0]
+            with self._lock:
+                order, oldest = self._epoch_plan(shuffle)
             for number, slots in enumerate(epoch_batches(order, batch_size, drop_last)):
-                self._check_open()
-                if self._resets != resets:
-                    raise RuntimeError(
-                        "epoch iterator expected the rows it planned, got a buffer reset since; "
-                        "create a new iterator"
-                    )
-                if self._priorities is not None:
-                    extra = self._priority_keys(slots, None)
-                    yield self._slots.gather(slots, self.device, extra=extra)
-                elif shuffle:
-                    yield self._slots.gather(slots, self.device)
-                else:  # consecutive slots unless the batch wraps: one copy per field
-                    first = (oldest + number * batch_size) % self.buffer_size
-                    count = slots.shape[0]
-                    if first + count <= self.buffer_size:
-                        yield self._slots.gather(slice(first, first + count), self.device)
-                    else:
-                        yield self._slots.gather(slots, self.device)
+                with self._lock:  # released before the yield: the learner holds no lock
+                    batch = self._epoch_batch(resets, slots, shuffle, oldest, number, batch_size)
+                yield batch
 
+    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, int]:
+        """One epoch's slots, and the first of them where they are oldest first."""
+        self._check_open()
+        if shuffle:
+            # The ring fills from slot 0, so the stored slots are always 0 .. size-1 and a
+            # permutation of them is randperm itself (the same draw epoch_order makes): no
+            # arange, rotation or gather of a million indices per epoch.
+            order = torch.randperm(
+                self._size, generator=self._generator, device=self.storing_device
+            )
+            return order, 0
+        oldest = self._pointer if self._size == self.buffer_size else 0  # order[0]
+        return self._oldest_first(), oldest
+
+    def _epoch_batch(
+        self,
+        resets: int,
+        slots: torch.Tensor,
+        shuffle: bool,
+        oldest: int,
+        number: int,
+        batch_size: int,
+    ) -> TensorDict:
+        self._check_open()
+        if self._resets != resets:
+            raise RuntimeError(
+                "epoch iterator expected the rows it planned, got a buffer reset since; "
+                "create a new iterator"
+            )
+        if self._priorities is not None:
+            extra = self._priority_keys(slots, None)
+            return self._slots.gather(slots, self.device, extra=extra)
+        if shuffle:
+            return self._slots.gather(slots, self.device)
+        # Consecutive slots unless the batch wraps: one copy per field.
+        first = (oldest + number * batch_size) % self.buffer_size
+        count = slots.shape[0]
+        if first + count <= self.buffer_size:
+            return self._slots.gather(slice(first, first + count), self.device)
+        return self._slots.gather(slots, self.device)
+
+    @synchronized
     def get_next_batch(self, batch_size: int) -> TensorDict:
         """The next batch of the installed epoch iterator, else a uniform random batch.
 
@@ -467,6 +503,7 @@ class ReplayBuffer:
         """Batches in one epoch over what is stored: rounded up, or down with ``drop_last``."""
         return num_batches(self._size, positive_int(batch_size, "batch_size"), drop_last)
 
+    @synchronized
     def get_steps_and_iterator(self, n_epochs: int, max_iter: int, batch_size: int) -> int:
         """Training steps to run, installing an epoch iterator when ``n_epochs > 0``.
 
@@ -482,6 +519,7 @@ class ReplayBuffer:
         return n_epochs * self.calculate_num_batches(batch_size)
 
     # ----------------------------------------------------------------- introspection
+    @synchronized
     def stats(self) -> dict[str, Any]:
         """Size, capacity, pointer, storage kind, devices, bytes and the field spec."""
         self._check_open()
@@ -502,6 +540,7 @@ class ReplayBuffer:
         }
 
     # ----------------------------------------------------------------- metadata
+    @synchronized
     def save(self, path: str | os.PathLike) -> None:
         """Write the metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
         self._check_open()
@@ -519,6 +558,7 @@ class ReplayBuffer:
             },
         )
 
+    @synchronized
     @NORMAL_TENSORS
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Read ``path + ".metadata"``, check it against this buffer, and return it.
@@ -551,6 +591,7 @@ class ReplayBuffer:
         return document
 
     # ----------------------------------------------------------------- checkpoints
+    @synchronized
     def save_checkpoint(
         self, directory: str | os.PathLike | None = None, *, durable: bool = True
     ) -> Path:

@@ -3,13 +3,14 @@
 For trainers without an event loop; :class:`replaybuf.EpisodeReplayBuffer` is a lock-guarded
 asyncio facade over it. Arguments are validated here, once; the state lives in
 :class:`replaybuf.episodes.EpisodeCore`. Every method either completes or raises with the
-buffer unchanged.
+buffer unchanged, under the buffer's lock, so threads may share it (:mod:`replaybuf.threads`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ from replaybuf.sampling import (
 )
 from replaybuf.schema import FieldSpec
 from replaybuf.storage import NORMAL_TENSORS, SlotStorage, resolve_device, resolve_kind
+from replaybuf.threads import synchronized
 
 if TYPE_CHECKING:
     from replaybuf.dataset import ReplayDataset
@@ -141,6 +143,7 @@ class SyncEpisodeReplayBuffer:
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
     ) -> None:
+        self._lock = threading.RLock()  # every public call runs under it (replaybuf.threads)
         self.max_steps = positive_int(max_steps, "max_steps")
         self.frame_stack, self.frame_stack_padding = check_frame_stack(
             frame_stack, frame_stack_padding
@@ -181,6 +184,7 @@ class SyncEpisodeReplayBuffer:
 
     # ----------------------------------------------------------------- properties
     @property
+    @synchronized
     def memory(self):
         """The TorchRL ``TensorDictReplayBuffer`` holding the rows (final observations too)."""
         self._check_open()
@@ -201,6 +205,7 @@ class SyncEpisodeReplayBuffer:
             raise BufferClosedError("the buffer is closed")
 
     # ----------------------------------------------------------------- lifecycle
+    @synchronized
     def start_episode(self, agent_id: str = "default") -> int:
         """Start an episode and return its id; may evict to respect ``max_episodes``."""
         self._check_open()
@@ -217,14 +222,20 @@ class SyncEpisodeReplayBuffer:
         extras: dict[str, Any] | None = None,
     ) -> None:
         """Record one step: the observation acted in, the action, the reward it earned."""
-        if self._closed:
-            self._check_open()
-        core = self._core
-        episode = core.in_progress(episode_id, "append to")
-        if core.append_one(episode, observation, action, reward, extras):
-            return
-        row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
-        core.append([episode], row)
+        # The lock inline, acquired and released by hand: a `with` block or a decorator
+        # costs about twice as much, once per step.
+        self._lock.acquire()
+        try:
+            if self._closed:
+                self._check_open()
+            core = self._core
+            episode = core.in_progress(episode_id, "append to")
+            if core.append_one(episode, observation, action, reward, extras):
+                return
+            row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
+            core.append([episode], row)
+        finally:
+            self._lock.release()
 
     def append_batch(
         self,
@@ -235,33 +246,41 @@ class SyncEpisodeReplayBuffer:
         extras: dict[str, Any] | None = None,
     ) -> None:
         """One step for each of several episodes (a vectorized env); leading dim = episodes."""
-        self._check_open()
-        # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
-        # that repeated calls take the cached run (it compares plain ints).
-        integers = (
-            type(episode_ids) is np.ndarray
-            and episode_ids.ndim == 1
-            and episode_ids.dtype.kind in "iu"
-        )
-        ids = episode_ids.tolist() if integers else list(episode_ids)
-        core = self._core
-        episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
-        if episodes is None:
-            if not ids:
-                raise ValueError("episode_ids must name at least one episode, got none")
-            episodes = core.in_progress_all(ids, "append to")  # names a bad id (an array...)
-            if len(set(map(id, episodes))) != len(ids):
-                raise ValueError(f"episode_ids must be distinct, got {ids}")
-        if core.append_many(episodes, observations, actions, rewards, extras):
-            return
-        rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")
-        got = next(iter(rows.values())).shape[0]
-        if got != len(ids):
-            raise ValueError(
-                f"append_batch: leading dimension expected {len(ids)} (len(episode_ids)), got {got}"
+        # The lock inline, acquired and released by hand: a `with` block or a decorator
+        # costs about twice as much, once per step.
+        self._lock.acquire()
+        try:
+            self._check_open()
+            # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
+            # that repeated calls take the cached run (it compares plain ints).
+            integers = (
+                type(episode_ids) is np.ndarray
+                and episode_ids.ndim == 1
+                and episode_ids.dtype.kind in "iu"
             )
-        core.append(episodes, rows)
+            ids = episode_ids.tolist() if integers else list(episode_ids)
+            core = self._core
+            episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
+            if episodes is None:
+                if not ids:
+                    raise ValueError("episode_ids must name at least one episode, got none")
+                episodes = core.in_progress_all(ids, "append to")  # names a bad id (an array...)
+                if len(set(map(id, episodes))) != len(ids):
+                    raise ValueError(f"episode_ids must be distinct, got {ids}")
+            if core.append_many(episodes, observations, actions, rewards, extras):
+                return
+            rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")
+            got = next(iter(rows.values())).shape[0]
+            if got != len(ids):
+                raise ValueError(
+                    f"append_batch: leading dimension expected {len(ids)} "
+                    f"(len(episode_ids)), got {got}"
+                )
+            core.append(episodes, rows)
+        finally:
+            self._lock.release()
 
+    @synchronized
     def end_episode(
         self, episode_id: int, status: str = "terminated", final_observation: Any = None
     ) -> None:
@@ -320,6 +339,7 @@ class SyncEpisodeReplayBuffer:
             )
         self._core.flush()
 
+    @synchronized
     def sample_n_step(
         self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
     ) -> TensorDict:
@@ -348,6 +368,7 @@ class SyncEpisodeReplayBuffer:
         batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
         return with_priority_keys(core, batch, start, weight)
 
+    @synchronized
     def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
         """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
 
@@ -370,6 +391,7 @@ class SyncEpisodeReplayBuffer:
         batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
         return with_priority_keys(core, batch, start, weight)
 
+    @synchronized
     def iterate_epochs(
         self,
         batch_size: int,
@@ -394,25 +416,42 @@ class SyncEpisodeReplayBuffer:
     def _epochs(
         self, batch_size: int, n_epochs: int, n: NArg, gamma: float, shuffle: bool, drop_last: bool
     ) -> Iterator[TensorDict]:
-        core = self._core
         for _ in range(n_epochs):
-            self._check_open()
-            core.flush()
-            rows = core.anchors.snapshot()
-            owners = core.links.episode[rows]
-            order = epoch_order(
-                torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
-            )
+            with self._lock:  # each step under the lock, released before the yield
+                rows, owners, order = self._epoch_plan(shuffle)
             for picks in epoch_batches(order, batch_size, drop_last):
-                self._check_open()
-                core.flush()
-                start, owner = rows[picks], owners[picks]
-                still = core.anchors.contains(start) & (core.links.episode[start] == owner)
-                if bool(still.any()):
-                    start = start[still]
-                    batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
-                    yield with_priority_keys(core, batch, start, None)
+                with self._lock:
+                    batch = self._epoch_batch(rows[picks], owners[picks], n, gamma)
+                if batch is not None:
+                    yield batch
 
+    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The anchor rows valid now, their episodes, and the order an epoch visits them."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        rows = core.anchors.snapshot()
+        owners = core.links.episode[rows]
+        order = epoch_order(
+            torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
+        )
+        return rows, owners, order
+
+    def _epoch_batch(
+        self, start: torch.Tensor, owner: torch.Tensor, n: NArg, gamma: float
+    ) -> TensorDict | None:
+        """The planned steps still stored in their episodes, as a batch (None if none is)."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        still = core.anchors.contains(start) & (core.links.episode[start] == owner)
+        if not bool(still.any()):
+            return None
+        start = start[still]
+        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+        return with_priority_keys(core, batch, start, None)
+
+    @synchronized
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled steps (by a batch's ``index``); returns how many applied.
 
@@ -438,6 +477,7 @@ class SyncEpisodeReplayBuffer:
         priorities.update(rows[live], values[live])
         return int(live.sum())
 
+    @synchronized
     def set_beta(self, beta: float) -> None:
         """Change the importance-weight exponent (anneal it towards 1 during training)."""
         if self._core.priorities is None:
@@ -445,6 +485,7 @@ class SyncEpisodeReplayBuffer:
         self._core.priorities.beta = check_beta(beta)
 
     # ----------------------------------------------------------------- episodes
+    @synchronized
     def get_episode(self, episode_id: int) -> TensorDict:
         """The whole stored episode (see :func:`replaybuf.sampling.episode_record`)."""
         self._check_open()
@@ -452,6 +493,7 @@ class SyncEpisodeReplayBuffer:
         self._core.flush()
         return episode_record(self._core, episode, self.device)
 
+    @synchronized
     def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
         """``k`` whole episodes drawn uniformly (distinct unless ``replace``; fewer if fewer)."""
         k = positive_int(k, "k")
@@ -474,6 +516,7 @@ class SyncEpisodeReplayBuffer:
         ]
 
     # ----------------------------------------------------------------- introspection
+    @synchronized
     def stats(self) -> dict[str, Any]:
         """Counts of episodes, steps, agents and bytes."""
         self._check_open()
@@ -509,11 +552,13 @@ class SyncEpisodeReplayBuffer:
 
         return as_dataset(self, batch_size, **kwargs)
 
+    @synchronized
     def clear(self) -> None:
         """Drop every episode; ids keep counting, so an old id is never reused."""
         self._check_open()
         self._core.clear()
 
+    @synchronized
     def close(self) -> None:
         """Release storage and remove memmap files. Idempotent."""
         if not self._closed:
@@ -529,6 +574,7 @@ class SyncEpisodeReplayBuffer:
         self.close()
 
     # ----------------------------------------------------------------- checkpoints
+    @synchronized
     def save_checkpoint(
         self, directory: str | os.PathLike | None = None, *, durable: bool = True
     ) -> Path:
@@ -543,6 +589,7 @@ class SyncEpisodeReplayBuffer:
         finally:
             self.end_checkpoint()
 
+    @synchronized
     def begin_checkpoint(self, directory: str | os.PathLike | None) -> tuple[Path, Any]:
         """Pin the rows and copy the index state; :meth:`end_checkpoint` must follow."""
         self._check_open()
@@ -558,6 +605,7 @@ class SyncEpisodeReplayBuffer:
             self._core.unpin()
             raise
 
+    @synchronized
     def end_checkpoint(self) -> None:
         """Release the rows pinned by :meth:`begin_checkpoint`."""
         self._core.unpin()
@@ -581,6 +629,7 @@ class SyncEpisodeReplayBuffer:
         return buffer
 
     # ----------------------------------------------------------------- metadata
+    @synchronized
     def save(self, path: str | os.PathLike) -> None:
         """Write metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
         self._check_open()
@@ -606,6 +655,7 @@ class SyncEpisodeReplayBuffer:
             },
         )
 
+    @synchronized
     @NORMAL_TENSORS
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Read and check metadata; an empty buffer adopts its field spec. Returns it.
