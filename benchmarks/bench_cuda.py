@@ -48,8 +48,8 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.fused import TRITON_ENV
-from replaybuf.graphs import GRAPHS_ENV
+from replaybuf.accel.fused import TRITON_ENV
+from replaybuf.accel.graphs import GRAPHS_ENV
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def switched_off(variable: str, fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def torch_ops(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` with replaybuf.fused switched off (``REPLAYBUF_TRITON=0``): the torch ops its
+    """``fn`` with replaybuf.accel.fused switched off (``REPLAYBUF_TRITON=0``): the torch ops its
     Triton kernels replace (and no graphs, which need the kernels), timed in the same run."""
     return switched_off(TRITON_ENV, fn)
 
@@ -644,7 +644,7 @@ def rows(res: dict[str, Any]) -> list[Row]:
     )
     vs(g, "W3 pixels sample_n_step(32)", gpu["w3"], "replaybuf", "floor", 1.5, gpu["w3_syncs"])
     vs(g, "W3 frame_stack=4", gpu["w3"], "replaybuf frame_stack=4", "floor", 1.5, gpu["w3_syncs"])
-    # The fused kernels (replaybuf.fused) against the torch ops they replace, in this run.
+    # The fused kernels (replaybuf.accel.fused) against the torch ops they replace, in this run.
     vs(g, "W2 fused vs torch ops", gpu["w2"], "replaybuf", "replaybuf torch ops", None)
     vs(g, "W3 fused vs torch ops", gpu["w3"], "replaybuf", "replaybuf torch ops", None)
     fs = "replaybuf frame_stack=4"
@@ -652,7 +652,7 @@ def rows(res: dict[str, Any]) -> list[Row]:
     for kind in ("strict", "padded"):
         seq, name = gpu["sequences"], f"replaybuf {kind}"
         vs(g, f"sequences {kind} fused vs torch ops", seq, name, f"{name} torch ops", None)
-    # Captured graphs (replaybuf.graphs) against the same kernels launched one by one.
+    # Captured graphs (replaybuf.accel.graphs) against the same kernels launched one by one.
     vs(g, "W2 graphs vs none", gpu["w2"], "replaybuf", "replaybuf no graphs", None)
     vs(g, "W3 graphs vs none", gpu["w3"], "replaybuf", "replaybuf no graphs", None)
     vs(g, "W3 frame_stack=4 graphs vs none", gpu["w3"], fs, f"{fs} no graphs", None)

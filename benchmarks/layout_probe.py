@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Workload, interleaved, machine, now, text_table, versions
 
-from replaybuf.hugepages import advise_huge_pages
+from replaybuf.storage.hugepages import advise_huge_pages
 
 BATCH = 256
 # W1's fields: name, per-row shape, dtype.

@@ -1,10 +1,14 @@
 """replaybuf: a TorchRL-backed replay buffer that is correct, fast, and never loses data."""
 
-from replaybuf.aio import EpisodeReplayBuffer
-from replaybuf.buffer import ReplayBuffer
+from replaybuf.buffers import (
+    EpisodeReplayBuffer,
+    ReplayBuffer,
+    ReplayDataset,
+    SyncEpisodeReplayBuffer,
+    as_dataset,
+)
 from replaybuf.collect import collect
-from replaybuf.dataset import ReplayDataset, as_dataset
-from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.core import compute_discounted_return, compute_importance_weights, sequence_priority
 from replaybuf.errors import (
     BufferClosedError,
     CheckpointError,
@@ -20,9 +24,7 @@ from replaybuf.errors import (
     UnsafeCheckpointError,
     UnsupportedVersionError,
 )
-from replaybuf.nstep import compute_discounted_return
-from replaybuf.per import compute_importance_weights, sequence_priority
-from replaybuf.schema import Field, FieldSpec
+from replaybuf.storage import Field, FieldSpec
 
 __version__ = "0.1.0"
 

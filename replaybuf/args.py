@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 _CPU = torch.device("cpu")
+NArg = int | tuple[int, int]  # an n-step n, or a (low, high) range drawn per sample
 
 
 def host_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -61,3 +62,25 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
             bad = low if low < 0 else high
             raise IndexError(f"{name} must lie in [0, {size}) (the stored items), got {bad}")
     return tensor.to(device)
+
+
+def check_n(n: Any) -> NArg:
+    """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high."""
+    if isinstance(n, tuple | list):
+        if len(n) != 2:
+            raise ValueError(f"n must be an int or a (low, high) pair, got {n!r}")
+        low = positive_int(n[0], "n[0] (low)")
+        high = positive_int(n[1], "n[1] (high)")
+        if high < low:
+            raise ValueError(f"n must have low <= high, got {tuple(n)!r}")
+        return (low, high)
+    return positive_int(n, "n")
+
+
+def check_gamma(gamma: Any) -> float:
+    """A discount in (0, 1], as a float."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float | np.integer | np.floating):
+        raise TypeError(f"gamma must be a float in (0, 1], got {gamma!r}")
+    if not 0.0 < float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in (0, 1], got {gamma}")
+    return float(gamma)

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import replaybuf
-from replaybuf import buffer_checkpoint, episode_checkpoint
-from replaybuf.checkpoint import describe_checkpoint, read_checkpoint, verify_checkpoint
 from replaybuf.errors import CheckpointError, ReplayBufError
+from replaybuf.persist import episodes as episode_checkpoint
+from replaybuf.persist import ring as buffer_checkpoint
+from replaybuf.persist.format import describe_checkpoint, read_checkpoint, verify_checkpoint
 
 PROG = "replaybuf"
 
@@ -161,8 +162,8 @@ def _buffer_problems(directory: str) -> list[str]:
 
 def _populate(args: argparse.Namespace) -> int:
     """Collect ``--steps`` transitions into a new episode buffer and save it at ``--out``."""
+    from replaybuf.buffers import SyncEpisodeReplayBuffer
     from replaybuf.collect import collect
-    from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
 
     out = _writable_out(args.out, args.force)
     envs = _make_envs(args)

@@ -40,11 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from replaybuf.aio import EpisodeReplayBuffer
 from replaybuf.args import int_at_least, positive_int
-from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.buffers import EpisodeReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.errors import ReplayBufError
-from replaybuf.schema import to_leaves
+from replaybuf.storage import to_leaves
 
 Observation = np.ndarray | dict[str, Any]  # a batch: [num_envs, ...], or a dict of those
 NEXT_STEP, SAME_STEP, DISABLED = "NextStep", "SameStep", "Disabled"

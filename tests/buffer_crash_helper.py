@@ -65,7 +65,7 @@ SOURCES = {"ring": make_source, "episodes": make_episodes}
 
 def _trial(kind: str, root: Path, phase: str) -> None:
     """The child: save buffer 1, then overwrite it with buffer 2 and die at ``phase``."""
-    from replaybuf.checkpoint import CRASH_ENV, streams
+    from replaybuf.persist.format import CRASH_ENV, streams
 
     streams.CHUNK_BYTES = CHUNK_BYTES
     scratch = root / "scratch"

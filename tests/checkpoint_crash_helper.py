@@ -42,8 +42,8 @@ def make_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _serve() -> None:
-    from replaybuf import checkpoint
-    from replaybuf.checkpoint import streams
+    from replaybuf.persist import format as checkpoint
+    from replaybuf.persist.format import streams
 
     streams.CHUNK_BYTES = CHUNK_BYTES
     data = {seed: make_tensors(seed) for seed in (1, 2)}

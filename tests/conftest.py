@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.compiled import compiled_kernels
+from replaybuf.accel.numba_loader import compiled_kernels
 
-# On a fresh checkout the first use of replaybuf.kernels compiles them (a few seconds; numba
+# On a fresh checkout the first use of replaybuf.accel.numba_kernels compiles them (a few seconds;
+# numba
 # caches them next to the module after that). Do it once here, so that no timing-sensitive
 # test (or the Ray actor's process, which then loads the cache) waits for the compiler.
 compiled_kernels()

@@ -17,8 +17,8 @@ import torch
 from reference import ReferenceBuffer
 from tensordict import TensorDict
 
-from replaybuf.anchors import AnchorSet
-from replaybuf.episodes import RowLinks
+from replaybuf.episodes.anchors import AnchorSet
+from replaybuf.episodes.core import RowLinks
 
 
 def mirrored() -> Any:
@@ -26,7 +26,7 @@ def mirrored() -> Any:
     when read, and run their index math in torch on those copies: CUDA storage's path, on the
     CPU."""
     return mock.patch.multiple(
-        "replaybuf.episodes",
+        "replaybuf.episodes.core",
         RowLinks=partial(RowLinks, mirror=True),
         AnchorSet=partial(AnchorSet, mirror=True),
     )

@@ -17,7 +17,7 @@ from replaybuf import (
     EpisodeStateError,
     SchemaError,
 )
-from replaybuf.aio import WRITE_BUDGET
+from replaybuf.buffers.aio import WRITE_BUDGET
 
 GAMMA = 0.9
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaybuf.anchors import AnchorSet
-from replaybuf.compiled import compiled_kernels, kernels_unavailable_reason
+from replaybuf.accel.numba_loader import compiled_kernels, kernels_unavailable_reason
+from replaybuf.episodes.anchors import AnchorSet
 
 CAPACITY = 16
 

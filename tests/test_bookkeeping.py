@@ -17,9 +17,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
-from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
-from replaybuf.episodes import EpisodeCore
-from replaybuf.index import END_NONE, full_sequence_starts
+from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
+from replaybuf.core.index import END_NONE, full_sequence_starts
+from replaybuf.episodes.core import EpisodeCore
 
 NO_KERNELS = kernels_unavailable_reason()
 COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
@@ -126,8 +126,8 @@ def run(
 def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack, settle):
     # settle: how many repeated batches a run holds before their rows go to their episodes.
     with (
-        mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
+        mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
+        mock.patch("replaybuf.episodes.core._SETTLE_BATCHES", settle),
     ):
         host = run(ops_, frame_stack)
         with mirrored():
@@ -161,7 +161,7 @@ def test_evicting_without_a_flush_stores_what_flushing_first_stores(ops_, flush_
             else contextlib.nullcontext()
         )
         with (
-            mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+            mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
             flushed,
         ):
             cores.append(run(ops_, None))
@@ -222,13 +222,14 @@ def test_an_eviction_flushes_only_for_rows_still_staged():
 @settings(max_examples=60, deadline=None)
 @given(ops_=ops, flush_rows=st.sampled_from([3, 64]))
 def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_rows):
-    """The compiled place/connect/release and anchor removal (replaybuf.kernels) leave every
+    """The compiled place/connect/release and anchor removal (replaybuf.accel.numba_kernels) leave
+    every
     column, the anchor order and the free list as the numpy paths do."""
     cores = []
     for flag in ("1", "0"):
         with (
             mock.patch.dict(os.environ, {NUMBA_ENV: flag}),  # read when the core is built
-            mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+            mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
         ):
             cores.append(run(ops_, frame_stack))
     compiled, numpy = cores
@@ -241,7 +242,7 @@ def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_ro
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing():
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     def columns() -> list[np.ndarray]:  # next_row, succ, episode, end_kind, step, alloc, prev
         long = [np.full(4, -1, np.int64) for _ in range(6)]
@@ -304,7 +305,7 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
 def test_the_bookkeeping_kernels_refuse_columns_of_other_lengths():
     """Unchecked writes index every column by rows checked against ``next_row``'s length:
     a column of another length is refused before anything is written."""
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     ints = np.array([0, 1], dtype=np.int64)
     for short in range(1, 7):  # succ, episode, end_kind, step, alloc, prev_row (next_row's
@@ -330,9 +331,9 @@ def test_the_bookkeeping_kernels_refuse_columns_of_other_lengths():
 def test_compiled_writes_take_the_row_arrays_the_numpy_paths_take(form):
     """Rows given strided, as int32, read-only or as a tensor: the compiled writes (which
     take contiguous int64) convert them and write what the numpy paths write."""
-    from replaybuf.anchors import AnchorSet
-    from replaybuf.compiled import compiled_kernels
-    from replaybuf.episodes import RowLinks
+    from replaybuf.accel.numba_loader import compiled_kernels
+    from replaybuf.episodes.anchors import AnchorSet
+    from replaybuf.episodes.core import RowLinks
 
     def rows(*values: int):
         wide = np.repeat(np.array(values, dtype=np.int64), 2)  # every value twice
@@ -526,8 +527,8 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
     ids = [[buf.start_episode() for _ in range(envs)] for buf in bufs]
     with (
         # Staged rows written every 2 batches.
-        mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes._SETTLE_BATCHES", settle),
+        mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
+        mock.patch("replaybuf.episodes.core._SETTLE_BATCHES", settle),
     ):
         for t in range(batches):
             obs = np.arange(envs * 3, dtype=np.float32).reshape(envs, 3) + 10 * t

@@ -11,7 +11,7 @@ from replay_helpers import ACTION_DIM, OBS_DIM, ids_of, rows, transition
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
-import replaybuf.buffer
+import replaybuf.buffers.ring
 from replaybuf import BufferClosedError, FieldSpec, ReplayBuffer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -145,7 +145,7 @@ def test_exact_writes_skip_the_general_conversion_and_check(make_buffer, storage
     def general_path(*args, **kwargs):
         raise AssertionError("an exact write took the general path")
 
-    monkeypatch.setattr(replaybuf.buffer, "to_leaves", general_path)
+    monkeypatch.setattr(replaybuf.buffers.ring, "to_leaves", general_path)
     monkeypatch.setattr(FieldSpec, "check", general_path)
     buf.add_batch(rows(2, 3))  # a TensorDict
     buf.add_batch(rows(5, 2).to_dict())  # a nested dict of tensors

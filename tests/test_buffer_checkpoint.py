@@ -16,8 +16,8 @@ from buffer_crash_helper import make_source
 from replay_helpers import rows
 
 from replaybuf import ReplayBuffer, SchemaError
-from replaybuf.checkpoint import CRASH_ENV, read_checkpoint, write_checkpoint
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
+from replaybuf.persist.format import CRASH_ENV, read_checkpoint, write_checkpoint
 
 HELPER = Path(__file__).with_name("buffer_crash_helper.py")
 CAPACITY = 8

@@ -20,16 +20,6 @@ import torch
 from checkpoint_crash_helper import KIND, make_tensors
 from tensordict import MemoryMappedTensor
 
-from replaybuf.checkpoint import (
-    CRASH_ENV,
-    describe_checkpoint,
-    read_checkpoint,
-    recover,
-    verify_checkpoint,
-    write_checkpoint,
-)
-from replaybuf.checkpoint import streams as ckpt_streams
-from replaybuf.checkpoint import writer as ckpt_writer
 from replaybuf.errors import (
     CheckpointError,
     CheckpointKindError,
@@ -41,6 +31,16 @@ from replaybuf.errors import (
     UnsafeCheckpointError,
     UnsupportedVersionError,
 )
+from replaybuf.persist.format import (
+    CRASH_ENV,
+    describe_checkpoint,
+    read_checkpoint,
+    recover,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from replaybuf.persist.format import streams as ckpt_streams
+from replaybuf.persist.format import writer as ckpt_writer
 
 HELPER = Path(__file__).with_name("checkpoint_crash_helper.py")
 PACKAGE = Path(__file__).resolve().parents[1] / "replaybuf"
@@ -365,7 +365,7 @@ DAMAGE = {
     "other_format": (
         lambda d: (d / "MANIFEST.json").write_text('{"format": "torchrl"}'),
         CorruptCheckpointError,
-        "format expected 'replaybuf.checkpoint', got 'torchrl'",
+        "format expected 'replaybuf.persist.format', got 'torchrl'",
     ),
     "future_version": (
         lambda d: edit_manifest(d, lambda m: m.__setitem__("format_version", 999)),

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer, cli
-from replaybuf.checkpoint import write_checkpoint
 from replaybuf.cli import main
+from replaybuf.persist.format import write_checkpoint
 
 OBS_FILE = "data/rows/obs.bin"
 

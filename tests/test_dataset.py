@@ -11,9 +11,9 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
-import replaybuf.dataset
+import replaybuf.buffers.dataset
 from replaybuf import EmptyBufferError, EpisodeReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.dataset import ReplayDataset, as_dataset, keep_batch
+from replaybuf.buffers.dataset import ReplayDataset, as_dataset, keep_batch
 
 
 def fill_episodes(buf: SyncEpisodeReplayBuffer, episodes: int = 3, steps: int = 6) -> None:
@@ -118,7 +118,7 @@ def test_an_empty_buffer_raises_when_iterated_not_when_built(make_buffer, tmp_pa
 def test_iterating_in_a_dataloader_worker_is_refused(episodes, monkeypatch):
     # What a forked worker sees (a real forked worker costs seconds to shut down here).
     worker = SimpleNamespace(id=0, num_workers=2)
-    monkeypatch.setattr(replaybuf.dataset, "get_worker_info", lambda: worker)
+    monkeypatch.setattr(replaybuf.buffers.dataset, "get_worker_info", lambda: worker)
     with pytest.raises(RuntimeError, match="expected to run in the training process"):
         next(iter(as_dataset(episodes, 4)))
 

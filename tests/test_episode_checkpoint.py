@@ -18,7 +18,7 @@ from replaybuf import (
     ReplayBuffer,
     SyncEpisodeReplayBuffer,
 )
-from replaybuf.episodes import RowsPinned
+from replaybuf.episodes.core import RowsPinned
 
 
 def fill(buf: SyncEpisodeReplayBuffer) -> list[int]:
@@ -337,7 +337,7 @@ def test_an_episode_save_killed_at_any_phase_leaves_the_old_or_the_new_buffer(
 
     from buffer_crash_helper import make_episodes
 
-    from replaybuf.checkpoint import CRASH_ENV
+    from replaybuf.persist.format import CRASH_ENV
 
     helper = Path(__file__).with_name("buffer_crash_helper.py")
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}

@@ -33,7 +33,7 @@ from replaybuf import (
     SchemaError,
     SyncEpisodeReplayBuffer,
 )
-from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
+from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 
 
 @pytest.fixture
@@ -695,7 +695,8 @@ def test_numpy_gathers_give_the_batches_storage_delivery_gives(
     """CPU storage sampled on the CPU gathers in numpy; two buffers fed and seeded alike, one
     made to gather through SlotStorage.deliver: the same batches, key for key, dtype for
     dtype, and no field shares memory with storage."""
-    from replaybuf import episode_buffer, sampling
+    from replaybuf.buffers import episodes as episode_buffer
+    from replaybuf.sampling import batches as sampling
 
     bufs = [make_episode_buffer(60, seed=3, storage=storage) for _ in range(2)]
     for buf in bufs:
@@ -752,7 +753,8 @@ def test_a_column_numpy_lacks_samples_through_storage_delivery(make_episode_buff
 def test_compiled_and_numpy_index_give_the_same_n_step_batches(
     make_episode_buffer, monkeypatch, n, frame_stack
 ):
-    """Two buffers fed alike and seeded alike, one sampling through replaybuf.kernels and one
+    """Two buffers fed alike and seeded alike, one sampling through replaybuf.accel.numba_kernels
+    and one
     through numpy: the same batches (rewards equal to 1e-6: the sums' order may differ)."""
     bufs = []
     for flag in ("1", "0"):  # the kernels are chosen when a buffer is built
@@ -760,7 +762,7 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
         bufs.append(make_episode_buffer(60, seed=3, frame_stack=frame_stack))
     for buf in bufs:
         _fill_every_end_kind(buf)
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     calls = []
     windows = kernels.nstep_windows
@@ -778,7 +780,7 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
 
 def _general_n_step(buf, batch_size, n, gamma):
     """``sample_n_step`` through draw_anchors and nstep_batch (what the one-pass path skips)."""
-    from replaybuf.sampling import draw_anchors, nstep_batch
+    from replaybuf.sampling.batches import draw_anchors, nstep_batch
 
     start, _ = draw_anchors(buf._core, batch_size, True, buf._generator)
     return nstep_batch(buf._core, start, n, gamma, buf.device, buf._generator)
@@ -837,7 +839,7 @@ def test_one_pass_uniform_n_step_batches_are_the_general_paths(
     signatures), flat and nested observations (one leaf of no elements), with and without
     frame stacks (both paddings; episode e's frames are nonzero from e = 1, so a padding frame
     left unzeroed or zeroed wrongly shows)."""
-    from replaybuf.sampling import _HOST_PLAN
+    from replaybuf.sampling.batches import _HOST_PLAN
 
     def observed(value: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if not nested:
@@ -870,7 +872,7 @@ def test_the_one_pass_plan_lives_as_long_as_the_columns(make_episode_buffer):
     """The plan (views of the columns) is kept in the storage's ``derived`` cache: built once,
     built anew when the columns are (re)allocated, with the general path's batches still, and
     dropped when the storage closes, so no view keeps its memory mapped."""
-    from replaybuf.sampling import _HOST_PLAN
+    from replaybuf.sampling.batches import _HOST_PLAN
 
     buf = make_episode_buffer(60, seed=3, storage="memmap")
     _fill_every_end_kind(buf)
@@ -894,7 +896,7 @@ def test_the_one_pass_plan_lives_as_long_as_the_columns(make_episode_buffer):
 def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, monkeypatch):
     """Random n, priorities, another device and the numpy index (no numba) take the general
     path: uniform_host_nstep returns None for them (frame stacks do not: it builds them)."""
-    from replaybuf.sampling import uniform_host_nstep
+    from replaybuf.sampling.batches import uniform_host_nstep
 
     def filled(**kwargs):
         buf = make_episode_buffer(60, seed=3, **kwargs)
@@ -981,7 +983,7 @@ def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
     bufs = [made_and_filled()]
     with torch.device("meta"):  # built, filled and flushed inside the context
         bufs.append(made_and_filled())
-    from replaybuf import nstep
+    from replaybuf.core import nstep
 
     for name, call in calls.items():
         want = call(bufs[0])
@@ -1001,7 +1003,7 @@ def test_padding_zeroes_past_the_end_and_keeps_every_real_value(dtype):
     gather): zero at padded steps, the stored value elsewhere; a float NaN or inf at a real
     step stays (on the CPU integers and bools are multiplied by the mask, floats go through
     ``torch.where`` / ``masked_fill_``)."""
-    from replaybuf.sampling import _pad, _pad_in_place
+    from replaybuf.sampling.batches import _pad, _pad_in_place
 
     g = torch.Generator().manual_seed(0)
     value = torch.randint(0, 200, (3, 5, 2, 4), generator=g).to(dtype)

@@ -315,7 +315,7 @@ def test_loading_missing_metadata_raises_metadata_error(filled, tmp_path):
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
-        (lambda d: '{"format": "replaybuf.metadata", "format_', "is not valid JSON"),
+        (lambda d: '{"format": "replaybuf.persist.metadata", "format_', "is not valid JSON"),
         (lambda d: "\x00\xff garbage", "is not valid JSON"),
         (lambda d: [d], "is not a replaybuf metadata file"),
         (lambda d: {**d, "format": "torchrl"}, "is not a replaybuf metadata file"),

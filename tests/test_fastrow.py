@@ -1,7 +1,8 @@
 """The per-step fast path stores exactly what the general path stores, and declines the rest.
 
 Every case appends the same values to two buffers: one whose appends take the fast path
-(:mod:`replaybuf.fastrow`) and one forced onto the general path; their episodes must be equal
+(:mod:`replaybuf.storage.fastrow`) and one forced onto the general path; their episodes must be
+equal
 bit for bit. Declined values must reach the general path, which converts or raises as before.
 """
 
@@ -18,9 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
-from replaybuf.fastrow import RowPlan, fast_value
-from replaybuf.schema import FieldSpec
-from replaybuf.staging import RowStager
+from replaybuf.storage.fastrow import RowPlan, fast_value
+from replaybuf.storage.schema import FieldSpec
+from replaybuf.storage.staging import RowStager
 
 
 def spec_of(leaves: dict) -> FieldSpec:
@@ -37,7 +38,7 @@ def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
 def small_staging():
     """Staging buffers of 3 rows, so that the tests reach the full-stager branches and
     batches larger than a stager."""
-    return mock.patch.multiple("replaybuf.episodes", _FLUSH_ROWS=3, _FLUSH_BYTES=0)
+    return mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=3, _FLUSH_BYTES=0)
 
 
 def fields_equal(a, b) -> bool:
@@ -396,7 +397,7 @@ def test_a_batch_of_tensors_is_copied_in_one_call_and_anything_else_through_nump
     for foreach in (True, False):
         with (
             mock.patch(
-                "replaybuf.fastrow._FOREACH_COPY", torch._foreach_copy_ if foreach else None
+                "replaybuf.storage.fastrow._FOREACH_COPY", torch._foreach_copy_ if foreach else None
             ),
             mock.patch("torch._foreach_copy_", wraps=torch._foreach_copy_) as copy,
             SyncEpisodeReplayBuffer(32, storage="tensor", seed=0) as buf,

@@ -36,7 +36,7 @@ from replaybuf import (
     SchemaError,
     SyncEpisodeReplayBuffer,
 )
-from replaybuf.index import stack_rows, stack_windows
+from replaybuf.core.index import stack_rows, stack_windows
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The fused kernels (:mod:`replaybuf.fused`) against the torch ops they replace.
+"""The fused kernels (:mod:`replaybuf.accel.fused`) against the torch ops they replace.
 
 On the CPU the kernels run in Triton's interpreter, which must be switched on before Triton is
 imported: :func:`test_the_kernel_in_the_interpreter` runs the interpreted tests below in a
@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from tensordict import TensorDictBase
 
-import replaybuf.fused as fused
+import replaybuf.accel.fused as fused
 from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.core.index import full_sequence_starts, stack_rows
 from replaybuf.errors import EmptyBufferError
-from replaybuf.index import full_sequence_starts, stack_rows
-from replaybuf.sampling import STRICT_TRIES, draw_sequences, nstep_batch, sequence_batch
+from replaybuf.sampling.batches import STRICT_TRIES, draw_sequences, nstep_batch, sequence_batch
 
 # An episode: its length and how it ends (None: still running).
 episodes = st.lists(

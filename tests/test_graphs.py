@@ -1,4 +1,4 @@
-"""Captured batch graphs (:mod:`replaybuf.graphs`, :mod:`replaybuf.graph_batches`).
+"""Captured batch graphs (:mod:`replaybuf.accel.graphs`, :mod:`replaybuf.sampling.graphed`).
 
 On the CPU a stand-in capture (:func:`fake_capture`: a replay runs the build again and writes
 its outputs into the static packed bytes, as a CUDA replay does) checks the cache: when a key
@@ -28,10 +28,10 @@ from tensordict import TensorDictBase
 from test_cuda import Arrived
 from test_fused import INTERPRETED
 
-import replaybuf.fused as fused
-import replaybuf.graphs as graphs
+import replaybuf.accel.fused as fused
+import replaybuf.accel.graphs as graphs
 from replaybuf import SyncEpisodeReplayBuffer
-from replaybuf.graphs import CAPTURE_AT, LIMIT, BatchGraphs, NotCapturable
+from replaybuf.accel.graphs import CAPTURE_AT, LIMIT, BatchGraphs, NotCapturable
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

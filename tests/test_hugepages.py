@@ -1,4 +1,5 @@
-"""replaybuf.hugepages: advice for whole huge pages inside a CPU tensor, and nothing where it
+"""replaybuf.storage.hugepages: advice for whole huge pages inside a CPU tensor, and nothing where
+it
 does not apply (other systems, other devices, small tensors, no libc)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from replaybuf import hugepages
+from replaybuf.storage import hugepages
 
 
 @pytest.fixture(autouse=True)

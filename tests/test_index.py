@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaybuf.compiled import kernels_unavailable_reason
-from replaybuf.index import (
+from replaybuf.accel.numba_loader import kernels_unavailable_reason
+from replaybuf.core.index import (
     END_NONE,
     END_TERMINATED,
     END_TRUNCATED,
@@ -30,7 +30,7 @@ from replaybuf.index import (
     sequence_rows_by_jumps,
     stack_rows,
 )
-from replaybuf.nstep import bootstrap_discount, host_powers, reward_powers, window_return
+from replaybuf.core.nstep import bootstrap_discount, host_powers, reward_powers, window_return
 
 
 def link(episodes: list[tuple[list[int], int]], rows: int):
@@ -335,9 +335,10 @@ NO_KERNELS = kernels_unavailable_reason()
 @settings(max_examples=150, deadline=None)
 @given(layout=layouts(), data=st.data())
 def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data):
-    """replaybuf.kernels.nstep_windows (one call for the whole batch) against the loop oracle
+    """replaybuf.accel.numba_kernels.nstep_windows (one call for the whole batch) against the loop
+    oracle
     and against the numpy path's values (window_return, bootstrap_discount)."""
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     episodes, rows = layout
     case = window_case(episodes, data)
@@ -385,9 +386,10 @@ def test_compiled_nstep_windows_match_the_oracle_and_the_numpy_path(layout, data
 @settings(max_examples=150, deadline=None)
 @given(layout=layouts(), data=st.data())
 def test_compiled_stack_rows_match_the_oracle_and_the_numpy_path(layout, data):
-    """replaybuf.kernels.stack_rows (flat [N * k]) against a slow list per row (the rows j
+    """replaybuf.accel.numba_kernels.stack_rows (flat [N * k]) against a slow list per row (the
+    rows j
     steps back in its episode, the first row where there is none) and index.stack_rows."""
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     episodes, rows = layout
     k = data.draw(st.integers(1, 5))
@@ -413,7 +415,7 @@ def test_compiled_stack_rows_match_the_oracle_and_the_numpy_path(layout, data):
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 def test_compiled_nstep_windows_of_no_anchors():
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     succ, end_kind = np.arange(4), np.zeros(4, np.int8)
     each = np.empty(0, np.int64)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer, compiled
+from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf.accel import numba_loader as compiled
 
 
 def grad_obs(value: float) -> torch.Tensor:

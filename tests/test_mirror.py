@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaybuf.mirror import DeviceMirror
+from replaybuf.storage.mirror import DeviceMirror
 
 SIZE = 12
 

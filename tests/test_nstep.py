@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replaybuf import compute_discounted_return
-from replaybuf.nstep import bootstrap_discount, window_return
+from replaybuf.core.nstep import bootstrap_discount, window_return
 
 
 def loop_return(rewards: list[float], gamma: float) -> float:

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer, compiled
-from replaybuf.prioritized import Prioritizer
-from replaybuf.priority import make_priority_index
+from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf.accel import numba_loader as compiled
+from replaybuf.priority.backends import make_priority_index
+from replaybuf.priority.policy import Prioritizer
 
 
 def _extension_loads() -> bool:
@@ -525,7 +526,7 @@ async def test_async_updates_interleaved_with_appends_stay_consistent(tmp_path: 
 def test_without_torchrls_extension_both_buffers_still_prioritize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from replaybuf import priority
+    from replaybuf.priority import backends as priority
 
     monkeypatch.delenv(priority.BACKEND_ENV, raising=False)
     monkeypatch.setenv(compiled.NUMBA_ENV, "0")  # else "auto" takes the kernels first

@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from replaybuf import compiled, priority
-from replaybuf.per import compute_importance_weights, sequence_priority
-from replaybuf.priority import (
+from replaybuf.accel import numba_loader as compiled
+from replaybuf.core.weights import compute_importance_weights, sequence_priority
+from replaybuf.priority import backends as priority
+from replaybuf.priority.backends import (
     BACKEND_ENV,
     block_width,
     locate,
@@ -45,7 +46,8 @@ CUDA = torch.cuda.is_available()
 
 @pytest.fixture(autouse=True, params=[pytest.param("numba", marks=needs_kernels), "numpy"])
 def cpu_kernels(request, monkeypatch):
-    """Every test twice: the CPU torch index with replaybuf.kernels (numba) and without."""
+    """Every test twice: the CPU torch index with replaybuf.accel.numba_kernels (numba) and
+    without."""
     if request.param == "numpy":
         monkeypatch.setenv(compiled.NUMBA_ENV, "0")
     else:
@@ -379,10 +381,10 @@ def test_auto_on_cpu_takes_the_kernels_then_the_segment_tree_then_torch(monkeypa
 
 def test_the_kernel_loader_reports_failures_instead_of_raising(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # numba not installed
-    monkeypatch.delitem(sys.modules, "replaybuf.kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "replaybuf.accel.numba_kernels", raising=False)
     reason = compiled._load_kernels.__wrapped__()
     assert isinstance(reason, str)
-    assert "replaybuf.kernels does not load (ModuleNotFoundError: " in reason
+    assert "replaybuf.accel.numba_kernels does not load (ModuleNotFoundError: " in reason
     monkeypatch.setattr(compiled, "_load_kernels", lambda: reason)
     monkeypatch.delenv(compiled.NUMBA_ENV, raising=False)
     assert compiled.kernels_unavailable_reason() == reason
@@ -753,11 +755,11 @@ RUNS = st.lists(  # runs of equal weights: long runs of zeros leave whole blocks
 @settings(max_examples=80, deadline=None)
 @given(runs=RUNS, seed=st.integers(0, 2**31 - 1))
 def test_compiled_locate_equals_numpy_bit_for_bit(runs, seed):
-    """:func:`replaybuf.kernels.locate` (a level-synchronous search) against
+    """:func:`replaybuf.accel.numba_kernels.locate` (a level-synchronous search) against
     :func:`locate_host` (numpy's ``searchsorted``): random masses, the smallest one, and
     every block's end exactly (where the next blocks may be empty: the search must stop at
     the first block that reaches the mass)."""
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     index = index_with("torch", [weight for length, weight in runs for _ in range(length)])
     if index.total() == 0:

@@ -13,7 +13,7 @@ from replay_helpers import ids_of, rows, transition, unchanged
 from tensordict import TensorDict
 
 from replaybuf import Field, FieldSpec, ReplayBuffer, SchemaError
-from replaybuf.schema import storable, to_leaves
+from replaybuf.storage.schema import storable, to_leaves
 
 
 def _row() -> dict:

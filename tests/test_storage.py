@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_helpers import ids_of, rows, unchanged
 
-import replaybuf.hugepages
-import replaybuf.storage
+import replaybuf.storage.hugepages
+import replaybuf.storage.slots
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
-from replaybuf.compiled import NUMBA_ENV, kernels_unavailable_reason
+from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
 
@@ -144,7 +144,7 @@ def test_buffers_do_not_replace_the_applications_signal_handlers(tmp_path, stora
 def test_too_little_space_raises_before_allocating_and_changes_nothing(
     tmp_path, monkeypatch, storage_kind, where
 ):
-    monkeypatch.setattr(replaybuf.storage, "free_bytes", lambda kind, device, folder: 100)
+    monkeypatch.setattr(replaybuf.storage.slots, "free_bytes", lambda kind, device, folder: 100)
     with ReplayBuffer("cpu", "cpu", 4, storage=storage_kind, scratch_dir=tmp_path) as buf:
         message = rf"not enough space on {where}.*needs {4 * ROW_BYTES:,} bytes, 100 are free"
         with unchanged(buf), pytest.raises(InsufficientSpaceError, match=message) as info:
@@ -243,7 +243,7 @@ def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_pat
             buf.add_batch(rows(3, 1).exclude("done"))
         buf.reset()
         assert buf.spec == FieldSpec.declare(declared)  # a declared spec survives reset
-    monkeypatch.setattr(replaybuf.storage, "free_bytes", lambda kind, device, folder: 100)
+    monkeypatch.setattr(replaybuf.storage.slots, "free_bytes", lambda kind, device, folder: 100)
     with pytest.raises(InsufficientSpaceError, match=rf"needs {10**6 * ROW_BYTES:,} bytes"):
         ReplayBuffer("cpu", "cpu", 10**6, scratch_dir=tmp_path, spec=declared)
     assert list(tmp_path.iterdir()) == []  # nothing allocated, no folder left
@@ -397,8 +397,8 @@ SCATTER_DTYPES = [torch.uint8, torch.bool, torch.int64, torch.float32, torch.bfl
 def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, shape, slots, data):
     """kernels.scatter_rows on row_words views against the slow obvious way (one row at a
     time), for every dtype and row shape; rows it does not name keep their bytes."""
-    from replaybuf import kernels
-    from replaybuf.staging import row_words
+    from replaybuf.accel import numba_kernels as kernels
+    from replaybuf.storage.staging import row_words
 
     rows = data.draw(st.lists(st.integers(0, slots - 1), max_size=slots, unique=True))
     g = torch.Generator().manual_seed(len(rows))
@@ -419,8 +419,8 @@ def test_the_compiled_row_scatter_writes_what_a_row_by_row_copy_writes(dtype, sh
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 def test_the_compiled_row_scatter_refuses_bad_slots_and_sizes_and_writes_nothing():
-    from replaybuf import kernels
-    from replaybuf.staging import row_words
+    from replaybuf.accel import numba_kernels as kernels
+    from replaybuf.storage.staging import row_words
 
     column, staged = torch.zeros(4, 3), torch.ones(3, 3)
     for bad in (4, -1):
@@ -454,7 +454,7 @@ def test_the_compiled_row_scatter_refuses_bad_slots_and_sizes_and_writes_nothing
 def test_row_words_views_rows_in_the_widest_word_their_size_and_address_allow(
     shape, dtype, offset, word
 ):
-    from replaybuf.staging import row_words
+    from replaybuf.storage.staging import row_words
 
     flat = torch.arange(5 * math.prod(shape) + offset).to(dtype)
     tensor = flat[offset:].view(5, *shape)
@@ -499,7 +499,7 @@ def test_episode_rows_written_through_the_compiled_scatter_equal_index_copy_s(
     """Two buffers fed alike, one writing its staged rows through kernels.scatter_rows and
     one through index_copy_ (REPLAYBUF_NUMBA=0): every stored column is the same, byte for
     byte, over batches, single steps, ends and evictions, in every dtype."""
-    from replaybuf import kernels
+    from replaybuf.accel import numba_kernels as kernels
 
     bufs = []
     for flag in ("1", "0"):  # chosen when a buffer is built
@@ -588,7 +588,7 @@ def test_cpu_tensor_columns_are_advised_huge_pages_and_memmap_files_are_not(tmp_
     """A CPU tensor column (16 MiB of observations) is advised transparent huge pages once
     TorchRL allocated it (its mapping carries the ``hg`` flag); memmap files are not."""
     probe = torch.empty(4 << 20, dtype=torch.uint8)
-    if not replaybuf.hugepages.advise_huge_pages(probe):
+    if not replaybuf.storage.hugepages.advise_huge_pages(probe):
         pytest.skip("this kernel takes no MADV_HUGEPAGE advice")
     assert "hg" in _vm_flags(probe.data_ptr() + (2 << 20))
     buf = ReplayBuffer("cpu", "cpu", 4096, storage=storage, scratch_dir=tmp_path, seed=0)

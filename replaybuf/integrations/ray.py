@@ -40,9 +40,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("replaybuf.integrations.ray needs Ray: pip install 'replaybuf[ray]'") from exc
 
-from replaybuf.aio import EpisodeReplayBuffer
+from replaybuf.args import NArg
+from replaybuf.buffers import EpisodeReplayBuffer
 from replaybuf.errors import BufferClosedError
-from replaybuf.sampling import NArg
 from replaybuf.storage import resolve_device
 
 __all__ = ["PackedArray", "PackedBatch", "RemoteEpisodeReplayBuffer", "pack_batch", "unpack_batch"]

@@ -51,8 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "replaybuf.integrations.sb3 needs stable-baselines3: pip install 'replaybuf[sb3]'"
     ) from exc
 
-from replaybuf.args import int_at_least, positive_int
-from replaybuf.episode_buffer import SyncEpisodeReplayBuffer, check_gamma
+from replaybuf.args import check_gamma, int_at_least, positive_int
+from replaybuf.buffers import SyncEpisodeReplayBuffer
 from replaybuf.errors import BufferClosedError, EmptyBufferError, SchemaError
 
 __all__ = ["SB3ReplayBuffer"]

@@ -45,11 +45,10 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from replaybuf.aio import EpisodeReplayBuffer
-from replaybuf.episode_buffer import SyncEpisodeReplayBuffer
+from replaybuf.buffers import EpisodeReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.episodes import RETURNED_KEYS
 from replaybuf.errors import EpisodeStateError
-from replaybuf.schema import to_leaves
+from replaybuf.storage import to_leaves
 
 NestedKey = str | tuple[str, ...]
 Key = tuple[str, ...]

@@ -1,0 +1,174 @@
+"""``as_dataset``: a buffer as an endless ``torch.utils.data.IterableDataset`` of batches.
+
+Reverb's ``as_dataset(sample_batch_size, num_steps)``, for PyTorch: each item is one sampled
+batch (a TensorDict), drawn from the live buffer when the loader asks for it, so writes made
+between batches are seen by the next one::
+
+    from torch.utils.data import DataLoader
+    from replaybuf.buffers.dataset import as_dataset
+
+    dataset = as_dataset(buf, 256, n=3, gamma=0.99)  # an episode buffer: 3-step transitions
+    loader = dataset.loader(pin_memory=True)  # DataLoader(dataset, batch_size=None, ...)
+    for step, batch in zip(range(10_000), loader):
+        loss = ...
+
+What each buffer yields:
+
+* :class:`ReplayBuffer`: ``sample_batch(batch_size)`` (``n``, ``seq_len`` and ``gamma`` are
+  refused: a ring of transitions has no episodes).
+* :class:`SyncEpisodeReplayBuffer` / :class:`EpisodeReplayBuffer` (through its ``.sync`` core):
+  ``sample_n_step(batch_size, n, gamma)`` (``n`` defaults to 1), or with ``seq_len``
+  ``sample_sequences(batch_size, seq_len, strict=strict)``; giving both is an error.
+
+DataLoader notes, decided here:
+
+* Use ``batch_size=None`` (the items are already batches) and a ``collate_fn`` that passes a
+  TensorDict through: DataLoader's default walks a TensorDict as a mapping and fails.
+  :meth:`ReplayDataset.loader` sets both; :func:`keep_batch` is that ``collate_fn``.
+* ``num_workers`` must stay 0. A worker process holds a copy of the buffer frozen at fork
+  time: it would never see later writes and could serve rows overwritten since. Iterating in
+  a worker raises ``RuntimeError``, and the dataset refuses to be pickled (spawned workers).
+  Sampling is a handful of ``index_select`` calls, cheap in the training process itself.
+* ``pin_memory=True`` works (each TensorDict is pinned whole, in the training process) and
+  pays off with a CPU ``device`` buffer feeding a CUDA model; a buffer built with
+  ``device="cuda"`` already delivers batches on the GPU (pinned, non-blocking copies).
+* With an :class:`EpisodeReplayBuffer`, iterate on the thread that runs its event loop (or
+  while no task uses it): the dataset samples its synchronous core without the lock.
+* Iteration raises :class:`EmptyBufferError` while the buffer holds too little to sample; the
+  dataset never ends by itself (take what you need: ``zip(range(k), loader)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tensordict import TensorDict
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from replaybuf.args import NArg, check_gamma, check_n, positive_int
+
+
+def keep_batch(batch: TensorDict) -> TensorDict:
+    """A DataLoader ``collate_fn`` that passes an already-sampled batch through unchanged."""
+    return batch
+
+
+class ReplayDataset(IterableDataset):
+    """An endless iterable of batches, each ``sample()`` of a live buffer; made by a buffer's
+    ``as_dataset``, which checks the arguments."""
+
+    def __init__(self, sample: Callable[[], TensorDict], description: str) -> None:
+        super().__init__()
+        self._sample = sample
+        self.description = description
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        info = get_worker_info()
+        if info is not None:
+            raise RuntimeError(
+                f"ReplayDataset expected to run in the training process (num_workers=0), got "
+                f"DataLoader worker {info.id} of {info.num_workers}: a worker samples a copy of "
+                "the buffer frozen at fork time, missing every later write"
+            )
+        return self._batches()
+
+    def _batches(self) -> Iterator[TensorDict]:
+        while True:
+            yield self._sample()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "ReplayDataset cannot be pickled (DataLoader workers, spawn): it samples a live "
+            "buffer of this process; use num_workers=0"
+        )
+
+    def __repr__(self) -> str:
+        return f"ReplayDataset({self.description})"
+
+    def loader(self, **kwargs: Any) -> DataLoader:
+        """A ``DataLoader`` over this dataset: ``batch_size=None`` and :func:`keep_batch` as
+        ``collate_fn`` unless given; other ``kwargs`` (``pin_memory``...) are passed on."""
+        kwargs.setdefault("batch_size", None)
+        kwargs.setdefault("collate_fn", keep_batch)
+        return DataLoader(self, **kwargs)
+
+
+def as_dataset(
+    buffer: Any,
+    batch_size: int,
+    *,
+    n: NArg | None = None,
+    seq_len: int | None = None,
+    gamma: float | None = None,
+    strict: bool = True,
+) -> ReplayDataset:
+    """An endless :class:`ReplayDataset` of ``batch_size`` batches sampled from ``buffer``.
+
+    Episode buffers give n-step transitions (``n``, default 1; ``gamma``, default 0.99) or,
+    with ``seq_len``, ``[batch_size, seq_len]`` sequences (``strict`` as in
+    ``sample_sequences``). A :class:`ReplayBuffer` gives ``sample_batch``. Arguments are
+    checked here; sampling errors (empty buffer, closed buffer) come from iteration. Each
+    buffer builds its own dataset (its ``as_dataset`` method), so this module knows none.
+    """
+    check_dataset_args(batch_size, strict)
+    make = getattr(type(buffer), "as_dataset", None)
+    if make is None:
+        raise TypeError(
+            "buffer must be a ReplayBuffer, SyncEpisodeReplayBuffer or EpisodeReplayBuffer, "
+            f"got {type(buffer).__name__}"
+        )
+    return make(buffer, batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict)
+
+
+def check_dataset_args(batch_size: Any, strict: Any) -> int:
+    """``batch_size`` as an int >= 1, after checking that ``strict`` is a bool."""
+    batch_size = positive_int(batch_size, "batch_size")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    return batch_size
+
+
+def transitions_dataset(
+    sample_batch: Callable[[int], TensorDict], batch_size: int, n: Any, seq_len: Any, gamma: Any
+) -> ReplayDataset:
+    """A ring of transitions' dataset: ``sample_batch(batch_size)``; n-step arguments refused."""
+    pairs = (("n", n), ("seq_len", seq_len), ("gamma", gamma))
+    given = [f"{name}={value!r}" for name, value in pairs if value is not None]
+    if given:
+        raise ValueError(
+            "a ReplayBuffer samples stored transitions: expected n, seq_len and gamma unset "
+            f"(n-step returns and sequences need an episode buffer), got {', '.join(given)}"
+        )
+    return ReplayDataset(lambda: sample_batch(batch_size), f"sample_batch({batch_size})")
+
+
+def episodes_dataset(
+    sample_n_step: Callable[[int, NArg, float], TensorDict],
+    sample_sequences: Callable[..., TensorDict],
+    batch_size: int,
+    n: Any,
+    seq_len: Any,
+    gamma: Any,
+    strict: bool,
+) -> ReplayDataset:
+    """An episode buffer's dataset: n-step transitions, or sequences with ``seq_len``."""
+    if seq_len is None:
+        n = 1 if n is None else check_n(n)
+        gamma = 0.99 if gamma is None else check_gamma(gamma)
+        return ReplayDataset(
+            lambda: sample_n_step(batch_size, n, gamma),
+            f"sample_n_step({batch_size}, n={n}, gamma={gamma})",
+        )
+    if n is not None:
+        raise ValueError(
+            f"give n (n-step transitions) or seq_len (sequences), not both; got n={n!r} "
+            f"and seq_len={seq_len!r}"
+        )
+    if gamma is not None:
+        raise ValueError(f"gamma applies to n-step transitions, not sequences; got {gamma!r}")
+    seq_len = positive_int(seq_len, "seq_len")
+    return ReplayDataset(
+        lambda: sample_sequences(batch_size, seq_len, strict=strict),
+        f"sample_sequences({batch_size}, {seq_len}, strict={strict})",
+    )

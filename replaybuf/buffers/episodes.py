@@ -1,0 +1,679 @@
+"""``SyncEpisodeReplayBuffer``: the episode buffer's public API as plain calls.
+
+For trainers without an event loop; :class:`replaybuf.EpisodeReplayBuffer` is a lock-guarded
+asyncio facade over it. Arguments are validated here, once; the state lives in
+:class:`replaybuf.episodes.core.EpisodeCore`. Every method either completes or raises with the
+buffer unchanged, under the buffer's lock, so threads may share it
+(:mod:`replaybuf.buffers.locking`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from replaybuf.accel.fused import Redraw
+from replaybuf.accel.graphs import BatchGraphs
+from replaybuf.args import NArg, check_gamma, check_n, int_at_least, positive_int
+from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
+from replaybuf.buffers.locking import synchronized
+from replaybuf.core import epoch_batches, epoch_order
+from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
+from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
+from replaybuf.persist import episodes as episode_checkpoint
+from replaybuf.persist import metadata
+from replaybuf.priority import (
+    Prioritizer,
+    check_beta,
+    check_priorities,
+    host_update_inputs,
+    parse_ids,
+    priority_stats,
+)
+from replaybuf.sampling import (
+    draw_anchors,
+    draw_sequences,
+    episode_record,
+    graphed_nstep,
+    graphed_sequences,
+    nstep_batch,
+    sequence_batch,
+    uniform_host_nstep,
+    with_priority_keys,
+)
+from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
+
+KIND = "EpisodeReplayBuffer"
+_APPEND_ONE = "append_observation_action_reward"  # what errors of the one-step append name
+
+
+def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
+    """Rows reserved for final observations beside the ``max_steps`` step rows.
+
+    One per stored episode that has steps, so never more than ``max_steps`` (a huge
+    ``max_episodes`` must not allocate rows that can never be used); without ``max_episodes`` we
+    reserve max_steps/16 (at least 16), so episodes shorter than 16 steps on average can be
+    evicted before ``max_steps`` is reached.
+    """
+    if max_episodes is not None:
+        return min(max_episodes, max_steps)
+    return min(max(16, math.ceil(max_steps / 16)), max_steps)
+
+
+def check_frame_stack(frame_stack: Any, padding: Any) -> tuple[int | None, str]:
+    """``frame_stack`` (None or an int >= 1) and its padding (``"reset"`` or ``"zero"``)."""
+    if padding not in FRAME_PADDINGS:
+        raise ValueError(f"frame_stack_padding must be one of {FRAME_PADDINGS}, got {padding!r}")
+    if frame_stack is None:
+        if padding != "reset":
+            raise ValueError(
+                f"frame_stack_padding={padding!r} needs frame_stack (an int >= 1), got None"
+            )
+        return None, padding
+    return positive_int(frame_stack, "frame_stack"), padding
+
+
+class SyncEpisodeReplayBuffer:
+    """Episodes written step by step, sampled as n-step transitions, sequences or episodes.
+
+    Args:
+        max_steps: stored transitions (steps with an action) at most; final observations are
+            stored in extra rows (see :func:`final_rows_for`).
+        max_episodes: stored episodes at most (checked at ``start_episode``).
+        device: where sampled batches are delivered.
+        storing_device: where rows are kept (``"cpu"`` or CUDA).
+        storage: ``"auto"``, ``"memmap"`` or ``"tensor"``, as for :class:`ReplayBuffer`.
+        scratch_dir: existing folder for memmap files (a private subfolder is used).
+        seed: seeds sampling.
+        min_steps: sampling raises until at least this many valid steps are stored.
+        prioritized, alpha, beta, eps, priority_backend: prioritized replay (see the README).
+        frame_stack: k to store one frame per step and return every observation as the stack
+            of its last k frames in the episode, ``[..., k, *frame]`` (``None``: as stored).
+            Append single frames (not stacks); every observation leaf is stacked.
+        frame_stack_padding: frames before an episode's first: ``"reset"`` repeats the first
+            frame (gymnasium ``FrameStackObservation``'s default), ``"zero"`` gives zeros.
+    """
+
+    @NORMAL_TENSORS
+    def __init__(
+        self,
+        max_steps: int,
+        max_episodes: int | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        storing_device: torch.device | str = "cpu",
+        storage: str = "auto",
+        scratch_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+        min_steps: int = 0,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        priority_backend: str = "auto",
+        frame_stack: int | None = None,
+        frame_stack_padding: str = "reset",
+    ) -> None:
+        self._lock = (
+            threading.RLock()
+        )  # every public call runs under it (replaybuf.buffers.locking)
+        self.max_steps = positive_int(max_steps, "max_steps")
+        self.frame_stack, self.frame_stack_padding = check_frame_stack(
+            frame_stack, frame_stack_padding
+        )
+        self.max_episodes = (
+            None if max_episodes is None else positive_int(max_episodes, "max_episodes")
+        )
+        self.min_steps = int_at_least(min_steps, "min_steps", 0)
+        self.device = resolve_device(device, "device")
+        self.storing_device = resolve_device(storing_device, "storing_device")
+        kind = resolve_kind(storage, self.storing_device)
+        seed = None if seed is None else int_at_least(seed, "seed", 0)
+        rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
+        priorities = (
+            Prioritizer(rows, self.storing_device, alpha, beta, eps, priority_backend)
+            if prioritized
+            else None
+        )
+        slots = SlotStorage(
+            rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
+        )
+        self._core = EpisodeCore(
+            slots, self.max_steps, self.max_episodes, self.frame_stack, self.frame_stack_padding
+        )
+        self._core.priorities = priorities
+        self._generator = torch.Generator(device=self.storing_device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._closed = False
+        self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
+        self._batch_graphs: BatchGraphs | None = None  # made on first use (CUDA storage)
+        # The device draws' key and first round (replaybuf.accel.graphs): from the seed, apart from
+        # the generator's; a checkpoint saves both.
+        self._graph_seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0] >> 1)
+        self._graph_rounds = 0
+
+    # ----------------------------------------------------------------- properties
+    @property
+    @synchronized
+    def memory(self):
+        """The TorchRL ``TensorDictReplayBuffer`` holding the rows (final observations too)."""
+        self._check_open()
+        self._core.flush()  # staged steps are written first, as for every other read
+        return self._core.slots.memory
+
+    @property
+    def spec(self) -> FieldSpec | None:
+        """Stored keys (``observation``, ``action``, ``reward``, ``extras``), shapes and dtypes."""
+        return self._core.slots.spec
+
+    def __len__(self) -> int:
+        """Valid steps: stored steps whose next observation exists."""
+        return self._core.valid_steps
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+
+    # ----------------------------------------------------------------- lifecycle
+    @synchronized
+    def start_episode(self, agent_id: str = "default") -> int:
+        """Start an episode and return its id; may evict to respect ``max_episodes``."""
+        self._check_open()
+        if not isinstance(agent_id, str):
+            raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+        return self._core.start(agent_id)
+
+    def append_observation_action_reward(
+        self,
+        episode_id: int,
+        observation: Any,
+        action: Any,
+        reward: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Record one step: the observation acted in, the action, the reward it earned."""
+        # The lock inline, acquired and released by hand: a `with` block or a decorator
+        # costs about twice as much, once per step.
+        self._lock.acquire()
+        try:
+            if self._closed:
+                self._check_open()
+            core = self._core
+            episode = core.in_progress(episode_id, "append to")
+            if core.append_one(episode, observation, action, reward, extras):
+                return
+            row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
+            core.append([episode], row)
+        finally:
+            self._lock.release()
+
+    def append_batch(
+        self,
+        episode_ids: Sequence[int],
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """One step for each of several episodes (a vectorized env); leading dim = episodes."""
+        # The lock inline, acquired and released by hand: a `with` block or a decorator
+        # costs about twice as much, once per step.
+        self._lock.acquire()
+        try:
+            self._check_open()
+            # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
+            # that repeated calls take the cached run (it compares plain ints).
+            integers = (
+                type(episode_ids) is np.ndarray
+                and episode_ids.ndim == 1
+                and episode_ids.dtype.kind in "iu"
+            )
+            ids = episode_ids.tolist() if integers else list(episode_ids)
+            core = self._core
+            episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
+            if episodes is None:
+                if not ids:
+                    raise ValueError("episode_ids must name at least one episode, got none")
+                episodes = core.in_progress_all(ids, "append to")  # names a bad id (an array...)
+                if len(set(map(id, episodes))) != len(ids):
+                    raise ValueError(f"episode_ids must be distinct, got {ids}")
+            if core.append_many(episodes, observations, actions, rewards, extras):
+                return
+            rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")
+            got = next(iter(rows.values())).shape[0]
+            if got != len(ids):
+                raise ValueError(
+                    f"append_batch: leading dimension expected {len(ids)} "
+                    f"(len(episode_ids)), got {got}"
+                )
+            core.append(episodes, rows)
+        finally:
+            self._lock.release()
+
+    @synchronized
+    def end_episode(
+        self, episode_id: int, status: str = "terminated", final_observation: Any = None
+    ) -> None:
+        """End an episode: ``terminated`` (or ARES's ``COMPLETED``) or ``truncated``."""
+        self._check_open()
+        if not isinstance(status, str) or status.lower() not in STATUSES:
+            raise ValueError(
+                f"status must be 'terminated', 'truncated' or 'COMPLETED', got {status!r}"
+            )
+        core = self._core
+        episode = core.in_progress(episode_id, "end")
+        if final_observation is None:
+            raise ValueError(
+                f"end_episode: final_observation is required (episode {episode_id}), got None"
+            )
+        end_kind = STATUSES[status.lower()]
+        if core.end_one(episode, end_kind, final_observation):
+            return
+        core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
+
+    # ----------------------------------------------------------------- sampling
+    @property
+    def _graphs(self) -> BatchGraphs:
+        """The captured batch graphs (:mod:`replaybuf.accel.graphs`), made on first use."""
+        if self._batch_graphs is None:
+            graphs = BatchGraphs(self.storing_device, self._graph_seed, self._graph_rounds)
+            self._batch_graphs = graphs
+        return self._batch_graphs
+
+    def _device_draws(self) -> tuple[int, int]:
+        """The device draws' key and how many draws were made (a checkpoint saves both)."""
+        if self._batch_graphs is None:
+            return self._graph_seed, self._graph_rounds
+        return self._graph_seed, self._batch_graphs.round()
+
+    def _places(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, Redraw | None]:
+        """Uniform places in the packed anchor rows, those rows (CUDA storage), and the device
+        draws' state where they made them: drawn on the device where the draw kernel runs, as a
+        graph's replay draws them (a batch does not depend on whether a graph served it), else
+        from the generator."""
+        anchors = self._core.anchors
+        table = anchors.rows
+        places = self._graphs.places(shape, anchors.count)
+        if places is None:
+            return *anchors.draw_places(shape, self._generator), None
+        return places, table, self._graphs.redraw
+
+    def _require_steps(self, what: str) -> None:
+        self._check_open()
+        have = self._core.valid_steps
+        need = max(1, self.min_steps)
+        if have < need:
+            raise EmptyBufferError(
+                f"cannot {what}: {have} valid step(s) stored, need at least {need}"
+                + (f" (min_steps={self.min_steps})" if self.min_steps else "")
+            )
+        self._core.flush()
+
+    @synchronized
+    def sample_n_step(
+        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+    ) -> TensorDict:
+        """``batch_size`` n-step transitions, uniform over valid steps (distinct if not replace).
+
+        With ``replace=False`` fewer are returned when fewer valid steps exist.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        n, gamma = check_n(n), check_gamma(gamma)
+        self._require_steps("sample")
+        if replace:  # the common case in one pass where it applies (CPU storage and device)
+            fast = uniform_host_nstep(
+                self._core, batch_size, n, gamma, self.device, self._generator
+            )
+            if fast is not None:
+                return fast
+        core = self._core
+        if replace and core.priorities is None and not core.anchors.on_host:
+            graphed = graphed_nstep(core, self._graphs, batch_size, n, gamma, self.device)
+            if graphed is not None:  # one replay of the launches below (see replaybuf.accel.graphs)
+                return graphed
+            # A uniform draw of places, the lookup left to the fused kernel (CUDA storage)
+            places, table, _ = self._places((batch_size,))
+            return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
+        start, weight = draw_anchors(core, batch_size, replace, self._generator)
+        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+        return with_priority_keys(core, batch, start, weight)
+
+    @synchronized
+    def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
+        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
+
+        ``strict=True`` starts only where ``seq_len`` steps fit (uniform over such starts);
+        ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        seq_len = positive_int(seq_len, "seq_len")
+        self._require_steps("sample sequences")
+        core = self._core
+        if core.priorities is None and not core.anchors.on_host:
+            graphed = graphed_sequences(
+                core, self._graphs, batch_size, seq_len, strict, self.device
+            )
+            if graphed is not None:
+                return graphed
+        start, weight, walk = draw_sequences(
+            core, batch_size, seq_len, strict, self._generator, self._places
+        )
+        batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
+        return with_priority_keys(core, batch, start, weight)
+
+    @synchronized
+    def iterate_epochs(
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> Iterator[TensorDict]:
+        """n-step batches; each epoch yields every step valid at its start exactly once.
+
+        A step evicted after its epoch started is skipped (so a batch may come out short);
+        steps that become valid mid-epoch wait for the next epoch.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        n_epochs = positive_int(n_epochs, "n_epochs")
+        n, gamma = check_n(n), check_gamma(gamma)
+        self._require_steps("iterate")
+        return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last)
+
+    def _epochs(
+        self, batch_size: int, n_epochs: int, n: NArg, gamma: float, shuffle: bool, drop_last: bool
+    ) -> Iterator[TensorDict]:
+        for _ in range(n_epochs):
+            with self._lock:  # each step under the lock, released before the yield
+                rows, owners, order = self._epoch_plan(shuffle)
+            for picks in epoch_batches(order, batch_size, drop_last):
+                with self._lock:
+                    batch = self._epoch_batch(rows[picks], owners[picks], n, gamma)
+                if batch is not None:
+                    yield batch
+
+    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The anchor rows valid now, their episodes, and the order an epoch visits them."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        rows = core.anchors.snapshot()
+        owners = core.links.episode[rows]
+        order = epoch_order(
+            torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
+        )
+        return rows, owners, order
+
+    def _epoch_batch(
+        self, start: torch.Tensor, owner: torch.Tensor, n: NArg, gamma: float
+    ) -> TensorDict | None:
+        """The planned steps still stored in their episodes, as a batch (None if none is)."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        still = core.anchors.contains(start) & (core.links.episode[start] == owner)
+        if not bool(still.any()):
+            return None
+        start = start[still]
+        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+        return with_priority_keys(core, batch, start, None)
+
+    @synchronized
+    def update_priorities(self, index: Any, priority: Any) -> int:
+        """Set the priorities of sampled steps (by a batch's ``index``); returns how many applied.
+
+        A step evicted since it was sampled, or whose row now holds another step, is skipped.
+        Raises ``IndexError`` for an id no step ever had and ``ValueError`` for a negative, NaN
+        or infinite priority or a length mismatch; then nothing is applied.
+        """
+        self._check_open()
+        priorities = self._core.priorities
+        if priorities is None:
+            raise ValueError("update_priorities needs a buffer made with prioritized=True")
+        fast = priorities.tree.host_writes and self._core.links.host is not None
+        host = host_update_inputs(index, priority) if fast else None
+        if host is not None:  # numpy on the host columns (CPU storage), while nothing is wrong
+            self._core.flush()
+            found = self._core.live_rows_host(host[0])
+            if found is not None and priorities.update_host(found[0], host[1][found[1]]):
+                return int(found[1].sum())
+        ids = parse_ids(index, self.storing_device)
+        values = check_priorities(priority, ids.numel(), self.storing_device)
+        self._core.flush()
+        rows, live = self._core.live_rows(ids)
+        priorities.update(rows[live], values[live])
+        return int(live.sum())
+
+    @synchronized
+    def set_beta(self, beta: float) -> None:
+        """Change the importance-weight exponent (anneal it towards 1 during training)."""
+        if self._core.priorities is None:
+            raise ValueError("set_beta needs a buffer made with prioritized=True")
+        self._core.priorities.beta = check_beta(beta)
+
+    # ----------------------------------------------------------------- episodes
+    @synchronized
+    def get_episode(self, episode_id: int) -> TensorDict:
+        """The whole stored episode (see :func:`replaybuf.sampling.batches.episode_record`)."""
+        self._check_open()
+        episode = self._core.live(episode_id, "get")
+        self._core.flush()
+        return episode_record(self._core, episode, self.device)
+
+    @synchronized
+    def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+        """``k`` whole episodes drawn uniformly (distinct unless ``replace``; fewer if fewer)."""
+        k = positive_int(k, "k")
+        self._check_open()
+        ids = list(self._core.episodes)
+        if not ids:
+            raise EmptyBufferError("cannot sample episodes: the buffer holds none")
+        if replace:
+            picks = torch.randint(
+                0, len(ids), (k,), generator=self._generator, device=self.storing_device
+            )
+        else:
+            picks = torch.randperm(len(ids), generator=self._generator, device=self.storing_device)[
+                :k
+            ]
+        self._core.flush()
+        return [
+            episode_record(self._core, self._core.episodes[ids[i]], self.device)
+            for i in picks.tolist()
+        ]
+
+    # ----------------------------------------------------------------- introspection
+    @synchronized
+    def stats(self) -> dict[str, Any]:
+        """Counts of episodes, steps, agents and bytes."""
+        self._check_open()
+        core = self._core
+        statuses = [e.status for e in core.episodes.values()]
+        agents: dict[str, int] = {}
+        for e in core.episodes.values():
+            agents[e.agent_id] = agents.get(e.agent_id, 0) + 1
+        return {
+            "episodes": len(core.episodes),
+            "in_progress": statuses.count("in_progress"),
+            "terminated": statuses.count("terminated"),
+            "truncated": statuses.count("truncated"),
+            "steps": core.steps,
+            "valid_steps": core.valid_steps,
+            "agents": agents,
+            "evicted_episodes": core.evicted,
+            "max_steps": self.max_steps,
+            "max_episodes": self.max_episodes,
+            "rows": core.slots.capacity,
+            "storage": core.slots.kind,
+            "device": str(self.device),
+            "storing_device": str(self.storing_device),
+            "bytes": core.slots.stored_bytes() + core.links.nbytes + core.anchors.nbytes,
+            "frame_stack": self.frame_stack,
+            **priority_stats(core.priorities),
+        }
+
+    def as_dataset(
+        self,
+        batch_size: int,
+        *,
+        n: NArg | None = None,
+        seq_len: int | None = None,
+        gamma: float | None = None,
+        strict: bool = True,
+    ) -> ReplayDataset:
+        """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
+        n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
+        ``sample_sequences(batch_size, seq_len, strict=strict)`` (see
+        :mod:`replaybuf.buffers.dataset`)."""
+        batch_size = check_dataset_args(batch_size, strict)
+        return episodes_dataset(
+            self.sample_n_step, self.sample_sequences, batch_size, n, seq_len, gamma, strict
+        )
+
+    @synchronized
+    def clear(self) -> None:
+        """Drop every episode; ids keep counting, so an old id is never reused."""
+        self._check_open()
+        self._core.clear()
+
+    @synchronized
+    def close(self) -> None:
+        """Release storage and remove memmap files. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._batch_graphs is not None:
+                self._batch_graphs.clear()
+            self._core.slots.close()
+
+    def __enter__(self) -> SyncEpisodeReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- checkpoints
+    @synchronized
+    def save_checkpoint(
+        self, directory: str | os.PathLike | None = None, *, durable: bool = True
+    ) -> Path:
+        """Save everything (rows, episodes in progress, counters, sampler state) atomically.
+
+        Replaces the checkpoint at ``directory`` (default: the one :meth:`open` was given);
+        ``durable=False`` skips fsync: safe against a killed process, not against power loss.
+        """
+        target, snap = self.begin_checkpoint(directory)
+        try:
+            return episode_checkpoint.write(target, snap, durable)
+        finally:
+            self.end_checkpoint()
+
+    @synchronized
+    def begin_checkpoint(self, directory: str | os.PathLike | None) -> tuple[Path, Any]:
+        """Pin the rows and copy the index state; :meth:`end_checkpoint` must follow."""
+        self._check_open()
+        target = self._home if directory is None else Path(directory)
+        if target is None:
+            raise ValueError(
+                "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
+            )
+        self._core.pin()
+        try:
+            return target, episode_checkpoint.snapshot(self)
+        except BaseException:
+            self._core.unpin()
+            raise
+
+    @synchronized
+    def end_checkpoint(self) -> None:
+        """Release the rows pinned by :meth:`begin_checkpoint`."""
+        self._core.unpin()
+
+    @classmethod
+    @NORMAL_TENSORS
+    def load_checkpoint(
+        cls, directory: str | os.PathLike, **overrides: Any
+    ) -> SyncEpisodeReplayBuffer:
+        """A new buffer holding the checkpoint at ``directory``: episodes in progress continue,
+        sampling draws what the saved one would have. ``overrides``: ``device``,
+        ``storing_device``, ``storage``, ``scratch_dir``, ``min_steps``."""
+        return episode_checkpoint.load(cls, directory, overrides)
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> SyncEpisodeReplayBuffer:
+        """Load the checkpoint at ``directory``, else create ``cls(**kwargs)``; either way a
+        later ``save_checkpoint()`` writes there (the Reverb manager's create-or-load)."""
+        buffer = episode_checkpoint.open_or_create(cls, directory, kwargs)
+        buffer._home = Path(os.path.abspath(directory))
+        return buffer
+
+    # ----------------------------------------------------------------- metadata
+    @synchronized
+    def save(self, path: str | os.PathLike) -> None:
+        """Write metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
+        self._check_open()
+        core = self._core
+        metadata.write_metadata(
+            path,
+            KIND,
+            {
+                "max_steps": self.max_steps,
+                "max_episodes": self.max_episodes,
+                "rows": core.slots.capacity,
+                "storage": core.slots.kind,
+                "device": str(self.device),
+                "storing_device": str(self.storing_device),
+                "spec": None if self.spec is None else self.spec.to_json(),
+                "episodes": len(core.episodes),
+                "steps": core.steps,
+                "valid_steps": core.valid_steps,
+                "next_episode_id": core.next_id,
+                "evicted_episodes": core.evicted,
+                "frame_stack": self.frame_stack,
+                "frame_stack_padding": self.frame_stack_padding,
+            },
+        )
+
+    @synchronized
+    @NORMAL_TENSORS
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read and check metadata; an empty buffer adopts its field spec. Returns it.
+
+        As for :meth:`ReplayBuffer.load`, counters describe rows the file does not hold, so they
+        are reported, not adopted. A mismatching ``max_steps`` or spec raises MetadataError.
+        """
+        self._check_open()
+        document = metadata.read_metadata(path, KIND)
+        max_steps = metadata.require_int(document, "max_steps", 1)
+        for name in ("episodes", "steps", "valid_steps", "next_episode_id", "evicted_episodes"):
+            metadata.require_int(document, name, 0)
+        spec = metadata.read_spec(document)
+        if max_steps != self.max_steps:
+            raise MetadataError(
+                f"max_steps: metadata has {max_steps}, this buffer {self.max_steps}"
+            )
+        # Files written before frame stacking existed hold neither key: no stacking.
+        stacking = (document.get("frame_stack"), document.get("frame_stack_padding", "reset"))
+        if stacking != (self.frame_stack, self.frame_stack_padding):
+            raise MetadataError(
+                f"frame_stack, frame_stack_padding: metadata has {stacking}, this buffer "
+                f"{(self.frame_stack, self.frame_stack_padding)}"
+            )
+        if spec is not None and self.spec is not None and spec != self.spec:
+            raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
+        if spec is not None and self.spec is None:
+            self._core.slots.prepare(spec)
+        return document

@@ -1,0 +1,1 @@
+"""Persistence: the checkpoint format, each buffer's checkpoint adapter, metadata files."""

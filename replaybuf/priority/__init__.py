@@ -1,0 +1,21 @@
+"""Prioritized replay: priority structures (backends) and the alpha/beta/eps policy."""
+
+from replaybuf.priority.policy import (
+    Prioritizer,
+    check_beta,
+    check_priorities,
+    host_update_inputs,
+    parse_ids,
+    priority_stats,
+    ring_ids,
+)
+
+__all__ = [
+    "Prioritizer",
+    "check_beta",
+    "check_priorities",
+    "host_update_inputs",
+    "parse_ids",
+    "priority_stats",
+    "ring_ids",
+]

@@ -1,0 +1,200 @@
+"""One appended step checked and converted without building tensors: the per-step fast path.
+
+A step whose every value already has its field's exact shape and dtype (CPU tensors, numpy
+arrays, or Python numbers the field holds) is copied straight into the staging columns through
+numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
+``copy_`` per field) costs tens of microseconds a step; numpy item assignment about one per
+field. Anything else is declined here and takes the general path, which converts what it can
+and raises the precise error; so this module never raises and never changes anything stored.
+``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaybuf.storage.schema import FieldSpec
+
+_STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
+# What Tensor.numpy() raises for tensors it cannot view: RuntimeError (grad, conj/neg bits),
+# TypeError (sparse and other layouts).
+_NO_VIEW = (RuntimeError, TypeError)
+# Float fields a Python float goes into as numpy assigns it (float16 would warn on overflow
+# where torch silently stores inf: those take the general path).
+_FLOATS = (torch.float32, torch.float64)
+# One call that copies a list of tensors into another (torch >= 2.1; a private name, so looked
+# up, and without it batches take the numpy path).
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+_STRIDED = torch.strided
+_BATCH_SIZES = 64  # batch sizes whose field checks a plan keeps (see RowPlan._tensors)
+
+
+class RowPlan:
+    """How a spec's fields are taken from one step's (observation, action, reward, extras) and
+    written into one row of the staging columns.
+
+    Only specs whose observation and action are single tensors (not dicts) and whose extras
+    are flat get a plan: the common case, kept simple.
+    """
+
+    def __init__(
+        self, spec: FieldSpec, sources: list[tuple[int, str | None]], arrays: list[np.ndarray]
+    ) -> None:
+        # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
+        # its staging column's numpy view, whether a Python float goes straight in).
+        self.fields: list[tuple[Any, ...]] = []
+        for (arg, name), key, array in zip(sources, spec, arrays, strict=True):
+            shape, dtype = spec[key].shape, spec[key].dtype
+            takes_float = shape == () and dtype in _FLOATS
+            self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
+        self.extras = {name for arg, name in sources if arg == 3}
+        self.arrays = arrays
+        # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
+        self._batch_fields: dict[int, list[tuple[Any, ...]]] = {}
+
+    @classmethod
+    def of(cls, spec: FieldSpec, arrays: list[np.ndarray] | None) -> RowPlan | None:
+        """The plan for ``spec`` writing into ``arrays`` (numpy views of its staging columns,
+        in spec order), or None when a field is nested or numpy cannot hold it."""
+        if arrays is None:
+            return None
+        sources: list[tuple[int, str | None]] = []
+        for key in spec:
+            if key in _STEP_KEYS:
+                sources.append((_STEP_KEYS[key], None))
+            elif len(key) == 2 and key[0] == "extras":
+                sources.append((3, key[1]))
+            else:
+                return None
+        return cls(spec, sources, arrays)
+
+    def _extras_fit(self, extras: Any) -> bool:
+        """Whether ``extras`` names exactly the spec's extras (None when it has none)."""
+        if extras is None:
+            return not self.extras
+        return type(extras) is dict and extras.keys() == self.extras
+
+    def stage(self, at: int, step: tuple[Any, Any, Any, Any]) -> bool:
+        """Write ``step`` (observation, action, reward, extras) into row ``at`` of the columns;
+        False when a value needs the general path.
+
+        On False some columns' row ``at`` may hold this step's values: the caller has not
+        staged that row yet, so nothing it holds changed. This is the per-step hot path, so the
+        exact matches the callers pass most (numpy arrays, CPU tensors, floats) are tested
+        inline and the rest go through :func:`fast_value`.
+        """
+        extras = step[3]
+        if not self._extras_fit(extras):
+            return False
+        for arg, name, shape, dtype, np_dtype, array, takes_float in self.fields:
+            value = step[arg] if name is None else extras[name]
+            kind = type(value)
+            if kind is np.ndarray:
+                if value.dtype != np_dtype or value.shape != shape:
+                    return False
+            elif kind is torch.Tensor:
+                if value.dtype is not dtype or not value.is_cpu or value.shape != shape:
+                    return False
+                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
+                    value = value.numpy()
+                except _NO_VIEW:
+                    return False  # the general path detaches and copies, or refuses, those
+            elif not (kind is float and takes_float):
+                value = fast_value(value, shape, dtype, np_dtype)
+                if value is None:
+                    return False
+            array[at] = value
+        return True
+
+    def stage_final(self, at: int, observation: Any) -> bool:
+        """Write an episode's final observation into row ``at`` and zeros into the row's other
+        fields (as :meth:`stage`: False, with row ``at`` not staged, when it does not fit)."""
+        for arg, _, shape, dtype, np_dtype, array, _ in self.fields:
+            if arg != 0:
+                array[at] = 0
+                continue
+            value = fast_value(observation, shape, dtype, np_dtype)
+            if value is None:
+                return False
+            array[at] = value
+        return True
+
+    def batch_values(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
+        """``step``'s values for ``count`` episodes (each ``[count, *shape]``, numpy arrays or
+        CPU tensors of the exact dtype) in column order, or None: CPU tensors when every value
+        is one that copies as it is (see :meth:`_tensors`), else numpy arrays.
+
+        The caller copies them into the staging columns (one ``torch._foreach_copy_`` for
+        tensors, one slice assignment per field for arrays); anything else (lists, numbers,
+        other dtypes) takes the general path.
+        """
+        extras = step[3]
+        if not self._extras_fit(extras):
+            return None
+        if _FOREACH_COPY is not None and type(step[0]) is torch.Tensor:
+            tensors = self._tensors(count, step)
+            if tensors is not None:
+                return tensors
+        out = []
+        for arg, name, shape, dtype, np_dtype, _, _ in self.fields:
+            value = step[arg] if name is None else extras[name]
+            value = fast_value(value, (count, *shape), dtype, np_dtype)  # no numbers: shape > 0
+            if value is None:
+                return None
+            out.append(value)
+        return out
+
+    def _tensors(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
+        """``step``'s values when each is a strided CPU tensor of its field's dtype and shape
+        ``[count, *shape]`` that needs no grad, or None. A torch vector env's batch: one
+        ``torch._foreach_copy_`` copies them (~1.8 µs for three fields) where a ``numpy()``
+        view and a slice assignment per field cost ~3.7. Grad would make ``copy_`` record the
+        staging columns in the graph: those take the general path, which detaches."""
+        fields = self._batch_fields.get(count)
+        if fields is None:
+            if len(self._batch_fields) >= _BATCH_SIZES:
+                self._batch_fields.clear()
+            fields = self._batch_fields[count] = [
+                (arg, name, dtype, (count, *shape)) for arg, name, shape, dtype, *_ in self.fields
+            ]
+        extras, out = step[3], []
+        for arg, name, dtype, shape in fields:
+            value = step[arg] if name is None else extras[name]
+            if (
+                type(value) is not torch.Tensor
+                or value.dtype is not dtype
+                or value.shape != shape
+                or value.requires_grad
+                or not value.is_cpu
+                or value.layout is not _STRIDED
+            ):
+                return None
+            out.append(value)
+        return out
+
+
+def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype: Any) -> Any:
+    """``value`` as numpy can assign it when it matches the field exactly, else None."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
+            return None
+        try:  # one call: numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
+            return value.numpy()
+        except _NO_VIEW:
+            return None  # the general path detaches and copies, or refuses, those
+    if kind is np.ndarray:
+        return value if value.dtype == np_dtype and value.shape == shape else None
+    if shape != ():
+        return None
+    if kind is float:
+        return value if dtype in _FLOATS else None  # float16 would warn on overflow: general
+    if kind is bool:
+        return value if dtype is torch.bool else None
+    if kind is int and not dtype.is_floating_point and dtype is not torch.bool:
+        limits = np.iinfo(np_dtype)
+        return value if limits.min <= value <= limits.max else None
+    return None
