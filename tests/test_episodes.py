@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -695,25 +696,11 @@ def test_numpy_gathers_give_the_batches_storage_delivery_gives(
     """CPU storage sampled on the CPU gathers in numpy; two buffers fed and seeded alike, one
     made to gather through SlotStorage.deliver: the same batches, key for key, dtype for
     dtype, and no field shares memory with storage."""
-    from replaybuf.buffers import episodes as episode_buffer
-    from replaybuf.sampling import batches as sampling
-
     bufs = [make_episode_buffer(60, seed=3, storage=storage) for _ in range(2)]
     for buf in bufs:
         _fill_every_end_kind(buf)
     slow = bufs[1]._core.slots
-    host_values = sampling._host_nstep_values
-    monkeypatch.setattr(
-        sampling,
-        "_host_nstep_values",
-        lambda core, *args: None if core.slots is slow else host_values(core, *args),
-    )
-    one_pass = episode_buffer.uniform_host_nstep  # the first buffer's n=1 and n=3 batches
-    monkeypatch.setattr(
-        episode_buffer,
-        "uniform_host_nstep",
-        lambda core, *args: None if core.slots is slow else one_pass(core, *args),
-    )
+    _general_paths_for(bufs[1], host_views=False)  # neither one pass nor numpy gathers
     delivered = {id(buf._core.slots): 0 for buf in bufs}
     for buf in bufs:
         slots = buf._core.slots
@@ -778,12 +765,24 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
                 assert torch.equal(got[key], want[key]), key
 
 
-def _general_n_step(buf, batch_size, n, gamma):
-    """``sample_n_step`` through draw_anchors and nstep_batch (what the one-pass path skips)."""
-    from replaybuf.sampling.batches import draw_anchors, nstep_batch
+def _general_paths_for(buf, host_views: bool) -> None:
+    """Make ``buf`` sample n-step batches through the general path (the fast paths'
+    reference), gathering with numpy (``host_views``) or through SlotStorage.deliver."""
+    from replaybuf.sampling.nstep import NStepBuilder
+    from replaybuf.sampling.paths import GeneralNStep
 
-    start, _ = draw_anchors(buf._core, batch_size, True, buf._generator)
-    return nstep_batch(buf._core, start, n, gamma, buf.device, buf._generator)
+    buf._core.flush()  # the columns exist: choosing now is for good
+    paths = buf._chosen_paths()
+    builder = NStepBuilder(buf._core, buf.device, paths.builder.math, host_views)
+    general = GeneralNStep(builder, buf._generator)
+    buf._paths = dataclasses.replace(paths, n_step=general, builder=builder)
+
+
+def _general_n_step(buf, batch_size, n, gamma):
+    """``sample_n_step`` through the general path (what the one-pass path skips)."""
+    from replaybuf.sampling.paths import GeneralNStep
+
+    return GeneralNStep(buf._chosen_paths().builder, buf._generator)(batch_size, n, gamma, True)
 
 
 def _assert_same_batches(got: TensorDict, want: TensorDict) -> None:
@@ -832,14 +831,14 @@ def test_one_pass_uniform_n_step_batches_are_the_general_paths(
     frame_stack,
     padding,
 ):
-    """``sample_n_step`` on CPU storage (draw, windows and gathers in one pass: sampling.
-    uniform_host_nstep) against draw_anchors + nstep_batch on the same buffer, the generator
+    """``sample_n_step`` on CPU storage (draw, windows and gathers in one pass: the seam's
+    HostNStep) against the general path on the same buffer, the generator
     seeded alike: the same batch, key for key, over random episode layouts with evictions,
     episodes in progress and both end kinds; float32 and float64 rewards (the kernel's two
     signatures), flat and nested observations (one leaf of no elements), with and without
     frame stacks (both paddings; episode e's frames are nonzero from e = 1, so a padding frame
     left unzeroed or zeroed wrongly shows)."""
-    from replaybuf.sampling.batches import _HOST_PLAN
+    from replaybuf.sampling.host import HostNStep
 
     def observed(value: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if not nested:
@@ -862,41 +861,46 @@ def test_one_pass_uniform_n_step_batches_are_the_general_paths(
         return
     buf._generator.manual_seed(seed)
     got = buf.sample_n_step(batch_size, n=n, gamma=gamma)
-    assert buf._core.slots.derived[_HOST_PLAN] is not None  # the one-pass path ran
+    assert isinstance(buf._chosen_paths().n_step, HostNStep)  # the one-pass path ran
     buf._generator.manual_seed(seed)
     _assert_same_batches(got, _general_n_step(buf, batch_size, n, gamma))
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
-def test_the_one_pass_plan_lives_as_long_as_the_columns(make_episode_buffer):
-    """The plan (views of the columns) is kept in the storage's ``derived`` cache: built once,
-    built anew when the columns are (re)allocated, with the general path's batches still, and
-    dropped when the storage closes, so no view keeps its memory mapped."""
-    from replaybuf.sampling.batches import _HOST_PLAN
+def test_the_chosen_paths_live_as_long_as_the_columns(make_episode_buffer):
+    """The paths (the one-pass plan holds views of the columns) are chosen once and kept while
+    the storage's ``derived`` cache holds their token: chosen anew when the columns are
+    (re)allocated, with the general path's batches still, and dropped when the storage
+    closes, so no view keeps its memory mapped."""
+    from replaybuf.sampling.host import HostNStep
 
     buf = make_episode_buffer(60, seed=3, storage="memmap")
     _fill_every_end_kind(buf)
     slots = buf._core.slots
     buf.sample_n_step(8)
-    plan = slots.derived[_HOST_PLAN]
-    assert plan is not None
+    paths = buf._chosen_paths()
+    assert isinstance(paths.n_step, HostNStep)
     buf.sample_n_step(8)
-    assert slots.derived[_HOST_PLAN] is plan  # cached
+    assert buf._chosen_paths() is paths  # kept
     slots._after_first_write()  # what an allocation of the columns runs: new views
-    assert _HOST_PLAN not in slots.derived
+    assert paths.token not in slots.derived.values()
     buf._generator.manual_seed(9)
     got = buf.sample_n_step(16, n=2)
-    assert slots.derived[_HOST_PLAN] is not plan
+    assert buf._chosen_paths() is not paths
     buf._generator.manual_seed(9)
     _assert_same_batches(got, _general_n_step(buf, 16, 2, 0.99))
     buf.close()
     assert slots.derived == {}
 
 
-def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, monkeypatch):
-    """Random n, priorities, another device and the numpy index (no numba) take the general
-    path: uniform_host_nstep returns None for them (frame stacks do not: it builds them)."""
-    from replaybuf.sampling.batches import uniform_host_nstep
+def test_each_configuration_gets_its_path(make_episode_buffer, monkeypatch):
+    """The seam's choice: the one-pass path for CPU storage delivering on the CPU with the
+    kernels (frame stacks too); the general path for priorities, another delivery device,
+    fields the kernel or numpy cannot take and the numpy index (no numba). The one-pass path
+    hands a random n and draws without replacement to the general path: the same batches."""
+    from replaybuf.sampling import choose
+    from replaybuf.sampling.host import HostNStep
+    from replaybuf.sampling.paths import GeneralNStep
 
     def filled(**kwargs):
         buf = make_episode_buffer(60, seed=3, **kwargs)
@@ -904,17 +908,22 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
         buf.sample_n_step(4)  # flushed
         return buf
 
-    cpu = torch.device("cpu")
+    def path(buf, device=None):
+        device = buf.device if device is None else torch.device(device)
+        return choose(buf._core, device, buf._generator, buf._draws).n_step
+
     plain = filled()
-    args = (4, 1, 0.9)
-    assert uniform_host_nstep(plain._core, 4, (1, 3), 0.9, cpu, plain._generator) is None
-    assert uniform_host_nstep(plain._core, *args, torch.device("meta"), plain._generator) is None
-    prioritized = filled(prioritized=True)
-    assert uniform_host_nstep(prioritized._core, *args, cpu, prioritized._generator) is None
+    assert isinstance(path(plain, "meta"), GeneralNStep)
+    assert isinstance(path(filled(prioritized=True)), GeneralNStep)
     stacked = filled(frame_stack=2)
-    batch = uniform_host_nstep(stacked._core, *args, cpu, stacked._generator)
-    assert batch is not None
-    assert batch["observation"].shape == (4, 2, 3)
+    assert isinstance(path(stacked), HostNStep)
+    assert stacked.sample_n_step(4)["observation"].shape == (4, 2, 3)
+    for n, replace in (((1, 3), True), (2, False)):
+        plain._generator.manual_seed(5)
+        got = plain.sample_n_step(6, n=n, gamma=0.9, replace=replace)
+        plain._generator.manual_seed(5)
+        general = GeneralNStep(plain._chosen_paths().builder, plain._generator)
+        _assert_same_batches(got, general(6, n, 0.9, replace))
     for name, dtype in (
         ("reward", torch.float16),
         ("reward", torch.int64),
@@ -928,14 +937,12 @@ def test_the_one_pass_path_declines_what_it_does_not_do(make_episode_buffer, mon
             odd.append_observation_action_reward(
                 odd.start_episode() if t == 0 else 0, o, a, r, extras=extras
             )
-        odd.sample_n_step(2, replace=False)  # flushed, by the general path
-        assert uniform_host_nstep(odd._core, *args, cpu, odd._generator) is None, (name, dtype)
-        assert odd.sample_n_step(2).batch_size == (2,)  # and sampling still works
+        assert odd.sample_n_step(2).batch_size == (2,)  # sampling works
+        assert isinstance(path(odd), GeneralNStep), (name, dtype)
     monkeypatch.setenv(NUMBA_ENV, "0")
-    numpy_index = filled()
-    assert uniform_host_nstep(numpy_index._core, *args, cpu, numpy_index._generator) is None
+    assert isinstance(path(filled()), GeneralNStep)
     if NO_KERNELS is None:
-        assert uniform_host_nstep(plain._core, *args, cpu, plain._generator) is not None
+        assert isinstance(path(plain), HostNStep)
 
 
 @pytest.mark.parametrize("prioritized", [False, True])
@@ -999,11 +1006,12 @@ def test_cpu_storage_samples_on_the_cpu_under_another_default_device(
     "dtype", [torch.uint8, torch.int64, torch.bool, torch.float32, torch.float64, torch.bfloat16]
 )
 def test_padding_zeroes_past_the_end_and_keeps_every_real_value(dtype):
-    """Sequence padding (``sampling._pad``: a new tensor; ``_pad_in_place``: into a fresh
+    """Sequence padding (``padding.pad_copy``: a new tensor; ``pad_in_place``: into a fresh
     gather): zero at padded steps, the stored value elsewhere; a float NaN or inf at a real
     step stays (on the CPU integers and bools are multiplied by the mask, floats go through
     ``torch.where`` / ``masked_fill_``)."""
-    from replaybuf.sampling.batches import _pad, _pad_in_place
+    from replaybuf.sampling.padding import pad_copy as _pad
+    from replaybuf.sampling.padding import pad_in_place as _pad_in_place
 
     g = torch.Generator().manual_seed(0)
     value = torch.randint(0, 200, (3, 5, 2, 4), generator=g).to(dtype)

@@ -32,7 +32,10 @@ import replaybuf.accel.fused as fused
 from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.core.index import full_sequence_starts, stack_rows
 from replaybuf.errors import EmptyBufferError
-from replaybuf.sampling.batches import STRICT_TRIES, draw_sequences, nstep_batch, sequence_batch
+from replaybuf.sampling.draws import STRICT_TRIES, draw_sequences
+from replaybuf.sampling.nstep import NStepBuilder, host_views_apply
+from replaybuf.sampling.sequences import sequence_batch
+from replaybuf.sampling.windows import window_math
 
 # An episode: its length and how it ends (None: still running).
 episodes = st.lists(
@@ -40,6 +43,13 @@ episodes = st.lists(
     min_size=1,
     max_size=8,
 )
+
+
+def nstep_batch(core, start, n, gamma, device, generator, table=None):
+    """The general n-step builder's batch of anchors ``start`` (places in ``table``)."""
+    math = window_math(core)
+    builder = NStepBuilder(core, device, math, host_views_apply(core, device, math))
+    return builder.batch(start, n, gamma, generator, table)
 
 
 def filled(
@@ -145,7 +155,9 @@ def compare_sequences(
     returns the sequence kernel's launches. ``device_draws``: the buffer's own draw (the
     device draws, and a strict draw's redraw on the device), else the generator's."""
     core, device = buf._core, buf.device
-    draw = buf._places if device_draws else None
+    draw = None
+    if device_draws:
+        draw = lambda shape: buf._draws.places(core, shape, buf._generator)  # noqa: E731
     with torch_ops():
         qualify = full_sequence_starts(core.anchors.snapshot(), length, core.links.succ)
     if strict and not qualify.any():

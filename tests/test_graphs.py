@@ -252,7 +252,7 @@ def test_graphed_batches_in_the_interpreter_agree_with_the_reference(frame_stack
             assert ("n_step", 16, 3, 0.9) in keys
             assert ("sequences", 6, 4, True) in keys
             assert ("sequences", 6, 4, False) in keys
-            replays = sum(e.graph.replays for e in buf._batch_graphs._entries.values())
+            replays = sum(e.graph.replays for e in buf._draws.made._entries.values())
             assert replays >= 6 * 2 * 3  # rounds x samples per round x graphed keys, less captures
 
 
@@ -299,7 +299,7 @@ def graphed_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set
                 strict=True,
             )
             counts.update(starts)
-        return set(buf._batch_graphs._entries), counts
+        return set(buf._draws.made._entries), counts
 
 
 GRAPHED = {("n_step", 64, 1, 0.99), ("sequences", 64, 2, False)}
@@ -320,7 +320,7 @@ def strict_draw_counts(buf: SyncEpisodeReplayBuffer, batches: int) -> tuple[set,
             full &= bool(batch["mask"].all())
             first = batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist()
             counts.update(zip(*first, strict=True))
-        return set(buf._batch_graphs._entries), counts, full
+        return set(buf._draws.made._entries), counts, full
 
 
 STRICT_STARTS = {(10, 0), (10, 1), (21, 0), (21, 1), (21, 2), (21, 3), (21, 4)}
@@ -394,7 +394,7 @@ def rounds(p: Program, count: int) -> None:
 
 def graph_keys(p: Program) -> set:
     buf = p.buf if isinstance(p.buf, SyncEpisodeReplayBuffer) else p.buf._buf
-    return set(buf._batch_graphs._entries)
+    return set(buf._draws.made._entries)
 
 
 @pytest.mark.parametrize("frame_stack", [None, 3])
@@ -474,7 +474,7 @@ def test_graphed_batches_never_wait_for_the_gpu():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert batch.device.type == "cuda"
-        entries = buf._batch_graphs._entries
+        entries = buf._draws.made._entries
         assert ("n_step", 32, 3, 0.99) in entries
         assert ("sequences", 8, 4, False) in entries
         assert ("sequences", 8, 4, True) in entries
@@ -495,7 +495,7 @@ def test_graphed_strict_draws_that_redraw_never_wait_for_the_gpu():
             batch = buf.sample_sequences(64, 8)  # raises at a host synchronisation
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert ("sequences", 64, 8, True) in buf._batch_graphs._entries
+        assert ("sequences", 64, 8, True) in buf._draws.made._entries
         assert bool(batch["mask"].all())
 
 
@@ -506,8 +506,8 @@ def test_graphs_switched_off_capture_nothing():
         for _ in range(CAPTURE_AT + 2):
             buf.sample_n_step(32, 3)
             buf.sample_sequences(8, 4)
-        assert buf._batch_graphs is not None  # the device draws ran
-        assert not buf._batch_graphs._entries
+        assert buf._draws.made is not None  # the device draws ran
+        assert not buf._draws.made._entries
 
 
 def fill_for_draws(buf: SyncEpisodeReplayBuffer) -> None:
@@ -548,7 +548,7 @@ def draws_with_and_without_graphs(device: str, tmp_path) -> tuple[bool, bool, li
         with_graphs = batches(on, CAPTURE_AT + 3)
         with mock.patch.dict(os.environ, {graphs.GRAPHS_ENV: "0"}):
             without = batches(off, CAPTURE_AT + 3)
-        captured = (bool(on._batch_graphs._entries), bool(off._batch_graphs._entries))
+        captured = (bool(on._draws.made._entries), bool(off._draws.made._entries))
         on.save_checkpoint(tmp_path / "ckpt")
         going_on = batches(on, CAPTURE_AT + 2)
     with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ckpt") as loaded:
@@ -582,8 +582,8 @@ def test_replays_on_two_streams_share_the_draw_round_in_order():
                 buf.sample_n_step(32, 3)
                 buf.sample_sequences(8, 4, strict=False)
         torch.cuda.synchronize()
-        rounds_now = buf._batch_graphs.round()
+        rounds_now = buf._draws.made.round()
         buf.sample_n_step(32, 3)
         buf.sample_sequences(8, 4, strict=False)
         torch.cuda.synchronize()
-        assert buf._batch_graphs.round() == rounds_now + 2  # every replay drew its own round
+        assert buf._draws.made.round() == rounds_now + 2  # every replay drew its own round

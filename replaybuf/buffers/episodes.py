@@ -20,8 +20,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from replaybuf.accel.fused import Redraw
-from replaybuf.accel.graphs import BatchGraphs
 from replaybuf.args import NArg, check_gamma, check_n, int_at_least, positive_int
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
 from replaybuf.buffers.locking import synchronized
@@ -39,14 +37,11 @@ from replaybuf.priority import (
     priority_stats,
 )
 from replaybuf.sampling import (
-    draw_anchors,
-    draw_sequences,
+    DeviceDraws,
+    Paths,
+    choose,
     episode_record,
-    graphed_nstep,
-    graphed_sequences,
-    nstep_batch,
-    sequence_batch,
-    uniform_host_nstep,
+    seed_key,
     with_priority_keys,
 )
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
@@ -157,11 +152,9 @@ class SyncEpisodeReplayBuffer:
             self._generator.manual_seed(seed)
         self._closed = False
         self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
-        self._batch_graphs: BatchGraphs | None = None  # made on first use (CUDA storage)
-        # The device draws' key and first round (replaybuf.accel.graphs): from the seed, apart from
-        # the generator's; a checkpoint saves both.
-        self._graph_seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0] >> 1)
-        self._graph_rounds = 0
+        # The device draws (CUDA storage): a key from the seed, apart from the generator's.
+        self._draws = DeviceDraws(self.storing_device, seed_key(seed))
+        self._paths: Paths | None = None  # how batches are built, chosen on first use
 
     # ----------------------------------------------------------------- properties
     @property
@@ -283,31 +276,10 @@ class SyncEpisodeReplayBuffer:
         core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
 
     # ----------------------------------------------------------------- sampling
-    @property
-    def _graphs(self) -> BatchGraphs:
-        """The captured batch graphs (:mod:`replaybuf.accel.graphs`), made on first use."""
-        if self._batch_graphs is None:
-            graphs = BatchGraphs(self.storing_device, self._graph_seed, self._graph_rounds)
-            self._batch_graphs = graphs
-        return self._batch_graphs
-
-    def _device_draws(self) -> tuple[int, int]:
-        """The device draws' key and how many draws were made (a checkpoint saves both)."""
-        if self._batch_graphs is None:
-            return self._graph_seed, self._graph_rounds
-        return self._graph_seed, self._batch_graphs.round()
-
-    def _places(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, Redraw | None]:
-        """Uniform places in the packed anchor rows, those rows (CUDA storage), and the device
-        draws' state where they made them: drawn on the device where the draw kernel runs, as a
-        graph's replay draws them (a batch does not depend on whether a graph served it), else
-        from the generator."""
-        anchors = self._core.anchors
-        table = anchors.rows
-        places = self._graphs.places(shape, anchors.count)
-        if places is None:
-            return *anchors.draw_places(shape, self._generator), None
-        return places, table, self._graphs.redraw
+    def _chosen_paths(self) -> Paths:
+        """The sampling paths for this buffer's configuration (:mod:`replaybuf.sampling.paths`)."""
+        self._paths = choose(self._core, self.device, self._generator, self._draws, self._paths)
+        return self._paths
 
     def _require_steps(self, what: str) -> None:
         self._check_open()
@@ -331,23 +303,7 @@ class SyncEpisodeReplayBuffer:
         batch_size = positive_int(batch_size, "batch_size")
         n, gamma = check_n(n), check_gamma(gamma)
         self._require_steps("sample")
-        if replace:  # the common case in one pass where it applies (CPU storage and device)
-            fast = uniform_host_nstep(
-                self._core, batch_size, n, gamma, self.device, self._generator
-            )
-            if fast is not None:
-                return fast
-        core = self._core
-        if replace and core.priorities is None and not core.anchors.on_host:
-            graphed = graphed_nstep(core, self._graphs, batch_size, n, gamma, self.device)
-            if graphed is not None:  # one replay of the launches below (see replaybuf.accel.graphs)
-                return graphed
-            # A uniform draw of places, the lookup left to the fused kernel (CUDA storage)
-            places, table, _ = self._places((batch_size,))
-            return nstep_batch(core, places, n, gamma, self.device, self._generator, table)
-        start, weight = draw_anchors(core, batch_size, replace, self._generator)
-        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
-        return with_priority_keys(core, batch, start, weight)
+        return self._chosen_paths().n_step(batch_size, n, gamma, replace)
 
     @synchronized
     def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
@@ -359,18 +315,7 @@ class SyncEpisodeReplayBuffer:
         batch_size = positive_int(batch_size, "batch_size")
         seq_len = positive_int(seq_len, "seq_len")
         self._require_steps("sample sequences")
-        core = self._core
-        if core.priorities is None and not core.anchors.on_host:
-            graphed = graphed_sequences(
-                core, self._graphs, batch_size, seq_len, strict, self.device
-            )
-            if graphed is not None:
-                return graphed
-        start, weight, walk = draw_sequences(
-            core, batch_size, seq_len, strict, self._generator, self._places
-        )
-        batch = sequence_batch(core, start, seq_len, self.device, walk, full=strict)
-        return with_priority_keys(core, batch, start, weight)
+        return self._chosen_paths().sequences(batch_size, seq_len, strict)
 
     @synchronized
     def iterate_epochs(
@@ -429,7 +374,7 @@ class SyncEpisodeReplayBuffer:
         if not bool(still.any()):
             return None
         start = start[still]
-        batch = nstep_batch(core, start, n, gamma, self.device, self._generator)
+        batch = self._chosen_paths().builder.batch(start, n, gamma, self._generator)
         return with_priority_keys(core, batch, start, None)
 
     @synchronized
@@ -468,7 +413,7 @@ class SyncEpisodeReplayBuffer:
     # ----------------------------------------------------------------- episodes
     @synchronized
     def get_episode(self, episode_id: int) -> TensorDict:
-        """The whole stored episode (see :func:`replaybuf.sampling.batches.episode_record`)."""
+        """The whole stored episode (see :func:`replaybuf.sampling.records.episode_record`)."""
         self._check_open()
         episode = self._core.live(episode_id, "get")
         self._core.flush()
@@ -555,8 +500,7 @@ class SyncEpisodeReplayBuffer:
         """Release storage and remove memmap files. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self._batch_graphs is not None:
-                self._batch_graphs.clear()
+            self._draws.clear()
             self._core.slots.close()
 
     def __enter__(self) -> SyncEpisodeReplayBuffer:

@@ -86,7 +86,7 @@ def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
     spec = core.slots.spec
     tensors: dict[str, torch.Tensor] = {
         GENERATOR: buffer._generator.get_state(),
-        DRAWS: torch.tensor(buffer._device_draws(), dtype=torch.long),
+        DRAWS: torch.tensor(list(buffer._draws.state_dict().values()), dtype=torch.long),
         "index/anchors": core.anchors.snapshot(),
         "index/free": free_rows(core),
         "index/episode_rows": torch.tensor(flat, dtype=torch.long),
@@ -391,11 +391,11 @@ def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoi
     core._first_obs_spec = saved.first_obs_spec
     restore_generator(buffer._generator, s[GENERATOR], meta["generator_device"])
     if DRAWS in s:
-        buffer._graph_seed, buffer._graph_rounds = (int(v) for v in s[DRAWS])
+        seed, rounds = (int(v) for v in s[DRAWS])
     else:  # saved before device draws: a key from the saved generator state, so loads agree
         digest = hashlib.sha256(s[GENERATOR].numpy().tobytes()).digest()
-        buffer._graph_seed, buffer._graph_rounds = int.from_bytes(digest[:8], "little") >> 1, 0
-    buffer._batch_graphs = None  # made again, from those, on first use
+        seed, rounds = int.from_bytes(digest[:8], "little") >> 1, 0
+    buffer._draws.load_state_dict({"seed": seed, "rounds": rounds})
 
 
 def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:

@@ -1,24 +1,8 @@
 """Batches from episode rows: n-step transitions, sequences, frame stacks, whole episodes."""
 
-from replaybuf.sampling.batches import (
-    draw_anchors,
-    draw_sequences,
-    episode_record,
-    nstep_batch,
-    sequence_batch,
-    uniform_host_nstep,
-    with_priority_keys,
-)
-from replaybuf.sampling.graphed import graphed_nstep, graphed_sequences
+from replaybuf.sampling.device_draws import DeviceDraws, seed_key
+from replaybuf.sampling.draws import with_priority_keys
+from replaybuf.sampling.paths import Paths, choose
+from replaybuf.sampling.records import episode_record
 
-__all__ = [
-    "draw_anchors",
-    "draw_sequences",
-    "episode_record",
-    "graphed_nstep",
-    "graphed_sequences",
-    "nstep_batch",
-    "sequence_batch",
-    "uniform_host_nstep",
-    "with_priority_keys",
-]
+__all__ = ["DeviceDraws", "Paths", "choose", "episode_record", "seed_key", "with_priority_keys"]

@@ -1,12 +1,11 @@
 """Uniform n-step and sequence batches from CUDA storage as replays of captured graphs.
 
-The batches are :func:`replaybuf.sampling.batches.nstep_batch`'s and
-:func:`replaybuf.sampling.batches.sequence_batch`'s, with the fused kernels' walks (the torch ops
-they
-replace read jump tables rebuilt outside any graph, so they are never captured), from places
-drawn by :meth:`replaybuf.accel.graphs.BatchGraphs.draw`, as the buffer draws them when no graph
-serves a batch: the same batches either way. A random n (``n=(low, high)``) is not graphed:
-its draw takes the torch generator.
+The batches are :class:`~replaybuf.sampling.nstep.NStepBuilder`'s and
+:func:`~replaybuf.sampling.sequences.sequence_batch`'s, with the fused kernels' walks (the
+torch ops they replace read jump tables rebuilt outside any graph, so they are never
+captured), from places drawn by :meth:`~replaybuf.accel.graphs.BatchGraphs.draw`, as the
+buffer draws them when no graph serves a batch: the same batches either way. A random n
+(``n=(low, high)``) is not graphed: its draw takes the torch generator.
 """
 
 from __future__ import annotations
@@ -20,28 +19,21 @@ from replaybuf.accel.graphs import BatchGraphs, NotCapturable
 from replaybuf.args import NArg
 from replaybuf.core import discount_powers, torch_reward_powers
 from replaybuf.episodes import EpisodeCore
-from replaybuf.sampling.batches import (
-    STRICT_TRIES,
-    nstep_keys,
-    nstep_values,
-    require_full_sequences,
-    sequence_values,
-)
+from replaybuf.sampling.common import nstep_keys
+from replaybuf.sampling.draws import STRICT_TRIES, require_full_sequences
+from replaybuf.sampling.nstep import NStepBuilder
+from replaybuf.sampling.sequences import sequence_values
 from replaybuf.storage import build_tensordict
 
 _LINKS = ("succ", "end_kind", "step", "episode", "prev_row")  # what the walks read
 
 
 def graphed_nstep(
-    core: EpisodeCore,
-    graphs: BatchGraphs,
-    batch_size: int,
-    n: NArg,
-    gamma: float,
-    device: torch.device,
+    builder: NStepBuilder, graphs: BatchGraphs, batch_size: int, n: NArg, gamma: float
 ) -> TensorDict | None:
     """A uniform n-step batch by a graph's replay, or None where graphs do not apply (see
     :func:`_table`) or this key is not captured (yet)."""
+    core, device = builder.core, builder.device
     table = None if isinstance(n, tuple) else _table(core, graphs, device)
     if table is None:
         return None
@@ -54,7 +46,7 @@ def graphed_nstep(
 
     def build() -> tuple[None, list[torch.Tensor]]:
         places = graphs.draw((batch_size,))
-        values = nstep_values(core, places, n, gamma, device, None, table, True, powers)
+        values = builder.values(places, n, gamma, None, table, True, powers)
         return None, values
 
     key = ("n_step", batch_size, n, float(gamma))
