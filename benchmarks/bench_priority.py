@@ -65,7 +65,7 @@ from torchrl.data import (
 import replaybuf
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.accel.numba_loader import kernels_unavailable_reason
-from replaybuf.priority.backends import segment_tree_unavailable_reason
+from replaybuf.priority import segment_tree_unavailable_reason
 
 OBS, ACT = 17, 6  # W1: obs f32[17], action f32[6], reward f32, done bool
 EP_LEN = 1_000  # steps per episode

@@ -158,13 +158,13 @@ def test_loading_never_takes_rows_it_does_not_hold(tmp_path):
 def test_load_that_cannot_fit_leaves_an_empty_buffer_unchanged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import replaybuf.storage.slots
+    import replaybuf.storage.space
 
     with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as source:
         source.add({"obs": torch.zeros(3)})
         source.save(tmp_path / "meta")
     with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as target:
-        monkeypatch.setattr(replaybuf.storage.slots, "free_bytes", lambda *args: 1)
+        monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda *args: 1)
         with pytest.raises(InsufficientSpaceError, match="needs 96 bytes, 1 are free"):
             target.load(tmp_path / "meta")
         assert target.buffer_size == 4

@@ -526,11 +526,11 @@ async def test_async_updates_interleaved_with_appends_stay_consistent(tmp_path: 
 def test_without_torchrls_extension_both_buffers_still_prioritize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from replaybuf.priority import backends as priority
+    from replaybuf.priority import backends, segment_tree
 
-    monkeypatch.delenv(priority.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
     monkeypatch.setenv(compiled.NUMBA_ENV, "0")  # else "auto" takes the kernels first
-    monkeypatch.setattr(priority, "_segment_trees", lambda: "torchrl._torchrl does not load")
+    monkeypatch.setattr(segment_tree, "_segment_trees", lambda: "torchrl._torchrl does not load")
     with ring(tmp_path, "auto") as buf:
         add(buf, 0, 4)
         assert buf.stats()["priority_backend"] == "torch"

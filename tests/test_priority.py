@@ -22,15 +22,11 @@ from scipy import stats
 
 from replaybuf.accel import numba_loader as compiled
 from replaybuf.core.weights import compute_importance_weights, sequence_priority
-from replaybuf.priority import backends as priority
-from replaybuf.priority.backends import (
-    BACKEND_ENV,
-    block_width,
-    locate,
-    locate_host,
-    make_priority_index,
-    segment_tree_unavailable_reason,
-)
+from replaybuf.priority import backends, draws, segment_tree
+from replaybuf.priority.backends import BACKEND_ENV, make_priority_index
+from replaybuf.priority.draws import block_width, locate, locate_host
+from replaybuf.priority.leaves import last_write_wins_host
+from replaybuf.priority.segment_tree import segment_tree_unavailable_reason
 
 MISSING = segment_tree_unavailable_reason()
 needs_segment_tree = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING}")
@@ -182,7 +178,7 @@ def round_off_weights() -> list[float]:
 def test_masses_at_the_top_of_the_range_never_reach_an_absent_item(backend, monkeypatch):
     index = index_with(backend, round_off_weights())
     monkeypatch.setattr(
-        priority,
+        sys.modules[type(index).__module__],  # where the index's draw looks it up
         "sample_masses",
         lambda b, total, g, d: torch.full((b,), float(total), dtype=torch.float64),
     )
@@ -193,7 +189,7 @@ def test_masses_at_the_top_of_the_range_never_reach_an_absent_item(backend, monk
 def test_masses_just_above_zero_skip_leading_absent_items(backend, monkeypatch):
     index = index_with(backend, [0.0, 0.0, 0.0, 2.0, 1.0])
     monkeypatch.setattr(
-        priority,
+        sys.modules[type(index).__module__],  # where the index's draw looks it up
         "sample_masses",
         lambda b, total, g, d: torch.full((b,), 5e-324, dtype=torch.float64),
     )
@@ -203,7 +199,7 @@ def test_masses_just_above_zero_skip_leading_absent_items(backend, monkeypatch):
 @needs_segment_tree
 def test_torchrl_scan_alone_would_return_the_absent_item():
     # Why the guard exists: TorchRL's raw descent lands on item 3 (weight 0) for u = total.
-    sums, _ = priority._segment_trees()
+    sums, _ = segment_tree._segment_trees()
     tree = sums(4)
     tree.update(torch.arange(4), torch.tensor(round_off_weights(), dtype=torch.float64))
     total = tree.query(0, 4)
@@ -415,7 +411,7 @@ def test_env_var_can_force_the_segment_tree(monkeypatch):
 def test_without_the_extension_auto_falls_back_and_forcing_says_why(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     reason = "torchrl._torchrl does not load (ImportError: undefined symbol)"
-    monkeypatch.setattr(priority, "_segment_trees", lambda: reason)
+    monkeypatch.setattr(segment_tree, "_segment_trees", lambda: reason)
     assert make_priority_index(4, "cpu").backend == "torch"
     with pytest.raises(ValueError, match=r"'torchrl-segment-tree' is unavailable: .*undefined"):
         make_priority_index(4, "cpu", "torchrl-segment-tree")
@@ -430,7 +426,7 @@ def test_without_the_extension_auto_falls_back_and_forcing_says_why(monkeypatch)
 )
 def test_the_extension_loader_reports_failures_instead_of_raising(monkeypatch, module, error):
     monkeypatch.setitem(sys.modules, "torchrl._torchrl", module)
-    reason = priority._segment_trees.__wrapped__()
+    reason = segment_tree._segment_trees.__wrapped__()
     assert isinstance(reason, str)
     assert f"({error}: " in reason
     assert "only loads with the torch TorchRL was built for" in reason
@@ -594,7 +590,7 @@ def test_locate_picks_the_first_item_whose_running_sum_reaches_the_mass():
 def test_last_write_wins_host_keeps_each_items_last_value():
     items = np.array([4, 1, 4, 7, 1, 4])
     values = np.array([0.5, 1.0, 2.0, 3.0, 4.0, 5.0])
-    unique, last = priority.last_write_wins_host(items, values)
+    unique, last = last_write_wins_host(items, values)
     assert unique.tolist() == [1, 4, 7]
     assert last.tolist() == [4.0, 5.0, 3.0]
 
@@ -649,7 +645,7 @@ def test_sample_masses_numpy_and_torch_paths_agree_bit_for_bit(seed, total, batc
     # (the torch backend's): the same generator state must give the same masses, in (0, total].
     def masses(total_arg):
         generator = torch.Generator().manual_seed(seed)
-        return priority.sample_masses(batch, total_arg, generator, torch.device("cpu"))
+        return draws.sample_masses(batch, total_arg, generator, torch.device("cpu"))
 
     by_numpy = masses(total)
     by_torch = masses(torch.tensor(total, dtype=torch.float64))
@@ -661,7 +657,7 @@ def test_sample_masses_numpy_and_torch_paths_agree_bit_for_bit(seed, total, batc
 @pytest.fixture
 def flat(monkeypatch):
     """The torch backend's flat cumulative sums (CUDA's draw), forced on the CPU."""
-    monkeypatch.setattr(priority, "FLAT_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(backends, "FLAT_DEVICES", ("cpu", "cuda"))
 
 
 def test_flat_stats_follow_writes_down_to_nothing_stored(flat):
@@ -766,7 +762,7 @@ def test_compiled_locate_equals_numpy_bit_for_bit(runs, seed):
         return
     starts, running, leaves = (t.numpy() for t in (index._starts, index._running, index._leaves))
     generator = torch.Generator().manual_seed(seed)
-    masses = priority.sample_masses(64, index.total(), generator, torch.device("cpu")).numpy()
+    masses = draws.sample_masses(64, index.total(), generator, torch.device("cpu")).numpy()
     masses = np.concatenate([masses, [5e-324], starts[1:][starts[1:] > 0]])
     items, got = np.empty(masses.size, np.int64), np.empty(masses.size)
     kernels.locate(starts, running, leaves, masses, items, got)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from replay_helpers import ids_of, rows, unchanged
 
 import replaybuf.storage.hugepages
-import replaybuf.storage.slots
+import replaybuf.storage.space
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
 from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 
@@ -144,7 +144,7 @@ def test_buffers_do_not_replace_the_applications_signal_handlers(tmp_path, stora
 def test_too_little_space_raises_before_allocating_and_changes_nothing(
     tmp_path, monkeypatch, storage_kind, where
 ):
-    monkeypatch.setattr(replaybuf.storage.slots, "free_bytes", lambda kind, device, folder: 100)
+    monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda kind, device, folder: 100)
     with ReplayBuffer("cpu", "cpu", 4, storage=storage_kind, scratch_dir=tmp_path) as buf:
         message = rf"not enough space on {where}.*needs {4 * ROW_BYTES:,} bytes, 100 are free"
         with unchanged(buf), pytest.raises(InsufficientSpaceError, match=message) as info:
@@ -243,7 +243,7 @@ def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_pat
             buf.add_batch(rows(3, 1).exclude("done"))
         buf.reset()
         assert buf.spec == FieldSpec.declare(declared)  # a declared spec survives reset
-    monkeypatch.setattr(replaybuf.storage.slots, "free_bytes", lambda kind, device, folder: 100)
+    monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda kind, device, folder: 100)
     with pytest.raises(InsufficientSpaceError, match=rf"needs {10**6 * ROW_BYTES:,} bytes"):
         ReplayBuffer("cpu", "cpu", 10**6, scratch_dir=tmp_path, spec=declared)
     assert list(tmp_path.iterdir()) == []  # nothing allocated, no folder left

@@ -44,7 +44,7 @@ def locate(
     items: np.ndarray,
     weights: np.ndarray,
 ) -> None:
-    """:func:`replaybuf.priority.backends.locate_host` into ``items`` and ``weights`` ([B] each)."""
+    """:func:`replaybuf.priority.draws.locate_host` into ``items`` and ``weights`` ([B] each)."""
     blocks, width = running.shape
     count = masses.shape[0]
     # Lower bound of every mass in starts[1:] (the first block b with starts[b + 1] >= u), one
@@ -131,7 +131,7 @@ def draw_relative(
     items: np.ndarray,
     relative: np.ndarray,
 ) -> None:
-    """A whole draw: the masses :func:`replaybuf.priority.backends.sample_masses` makes of
+    """A whole draw: the masses :func:`replaybuf.priority.draws.sample_masses` makes of
     ``uniform``
     (U[0, 1), [B]), their items (:func:`locate`) and float32 (weight / smallest) ** power."""
     masses = (1.0 - uniform) * starts[starts.shape[0] - 1]  # [B] in (0, total]

@@ -9,6 +9,7 @@ from replaybuf.priority.policy import (
     priority_stats,
     ring_ids,
 )
+from replaybuf.priority.segment_tree import segment_tree_unavailable_reason
 
 __all__ = [
     "Prioritizer",
@@ -18,4 +19,5 @@ __all__ = [
     "parse_ids",
     "priority_stats",
     "ring_ids",
+    "segment_tree_unavailable_reason",
 ]

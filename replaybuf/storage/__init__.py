@@ -1,21 +1,15 @@
 """TorchRL slot storage, field specs, staging, device mirrors: the only layer that knows TorchRL
 storages."""
 
+from replaybuf.storage.delivery import Part, to_device_async
+from replaybuf.storage.devices import NORMAL_TENSORS, resolve_device, resolve_kind
 from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.schema import Field, FieldSpec, Key, key_name, to_leaves
-from replaybuf.storage.slots import (
-    NORMAL_TENSORS,
-    Part,
-    SlotStorage,
-    build_tensordict,
-    free_bytes,
-    nest,
-    resolve_device,
-    resolve_kind,
-    to_device_async,
-)
+from replaybuf.storage.slots import SlotStorage
+from replaybuf.storage.space import free_bytes
 from replaybuf.storage.staging import RowStager
+from replaybuf.storage.tensordicts import build_tensordict, nest
 
 __all__ = [
     "NORMAL_TENSORS",

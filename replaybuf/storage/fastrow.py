@@ -3,9 +3,10 @@
 A step whose every value already has its field's exact shape and dtype (CPU tensors, numpy
 arrays, or Python numbers the field holds) is copied straight into the staging columns through
 numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
-``copy_`` per field) costs tens of microseconds a step; numpy item assignment about one per
-field. Anything else is declined here and takes the general path, which converts what it can
-and raises the precise error; so this module never raises and never changes anything stored.
+``copy_`` per field) makes several torch calls per field, each costing far more than a numpy
+item assignment. Anything else is declined here and takes the general path, which converts what
+it can and raises the precise error; so this module never raises and never changes anything
+stored.
 ``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
 """
 
@@ -150,8 +151,8 @@ class RowPlan:
     def _tensors(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
         """``step``'s values when each is a strided CPU tensor of its field's dtype and shape
         ``[count, *shape]`` that needs no grad, or None. A torch vector env's batch: one
-        ``torch._foreach_copy_`` copies them (~1.8 µs for three fields) where a ``numpy()``
-        view and a slice assignment per field cost ~3.7. Grad would make ``copy_`` record the
+        ``torch._foreach_copy_`` copies them all, cheaper than a ``numpy()`` view and a slice
+        assignment per field. Grad would make ``copy_`` record the
         staging columns in the graph: those take the general path, which detaches."""
         fields = self._batch_fields.get(count)
         if fields is None:

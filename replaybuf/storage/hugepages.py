@@ -1,12 +1,11 @@
 """Transparent huge pages for large CPU columns (Linux's ``madvise(MADV_HUGEPAGE)``).
 
 Rows sampled at random from a large column miss the TLB once per base page they touch; backed
-by huge pages they miss it once per huge page: a ``sample(32)`` of 28 KB pixel rows (7 base
-pages each) from 100k rows took ~10 µs less of ~175 on the 2-core dev VM, W1 at 10^7 rows ~40
-against ~50 µs. Written by hand because torch offers it only process-wide
-(``THP_MEM_ALLOC_ENABLE=1``, read by its allocator for every allocation) and neither numpy nor
-TorchRL has it. Elsewhere than Linux, and where the system allows no huge pages, nothing
-changes.
+by huge pages they miss it once per huge page, so random gathers of wide rows (pixel
+observations spanning several base pages) or from very many rows take less time. Written by
+hand because torch offers it only process-wide (``THP_MEM_ALLOC_ENABLE=1``, read by its
+allocator for every allocation) and neither numpy nor TorchRL has it. Elsewhere than Linux,
+and where the system allows no huge pages, nothing changes.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Row links and the anchor set are written on every flush and eviction, a few hundred rows at a
 time. On CUDA each torch index write is a kernel launch plus a host-to-device copy of its
-indices (10-30 µs each, and a boolean mask costs a device synchronisation), where the same
-write on numpy columns costs about a microsecond. So the columns live on the host, where every
+indices (and a boolean mask costs a device synchronisation), where the same write on numpy
+columns is a plain memory write. So the columns live on the host, where every
 write goes, and their device copy (which sampling reads) is updated only when it is read: the
 indices written since go over in one copy and land in one ``index_copy_``. Writers never touch
 the device. The copies go through pinned memory without blocking, so an update does not wait
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from replaybuf.storage.slots import to_device_async
+from replaybuf.storage.delivery import to_device_async
 
 
 class DeviceMirror:

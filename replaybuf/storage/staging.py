@@ -1,6 +1,6 @@
 """Staging of appended rows before they are written to TorchRL storage in one call.
 
-TorchRL's per-call write costs tens of microseconds and a TensorDict per step costs more, so
+TorchRL's write has a large fixed cost per call and a TensorDict per step costs more, so
 appended steps are copied into preallocated host columns, one per field (``copy_``, or numpy
 assignment through :attr:`RowStager.arrays` on the fast paths), and written to storage
 ``capacity`` rows at a time. Copying also decouples us from the caller's arrays, which
@@ -38,12 +38,11 @@ class RowStager:
                 for k in spec
             ]
         # Storage rows of the staged rows: int64, so that drain makes one tensor of them with
-        # torch.frombuffer (torch.tensor of 512 Python ints costs ~0.3 µs an int).
+        # torch.frombuffer (torch.tensor converts a list of Python ints one int at a time).
         self.rows = array("q")
-        # numpy views of the columns, for the per-step fast path (replaybuf.storage.fastrow: numpy
-        # item
-        # assignment costs far less than a copy_ per field); None where a dtype has no numpy
-        # twin (bfloat16, ...).
+        # numpy views of the columns, for the per-step fast path (replaybuf.storage.fastrow:
+        # numpy item assignment costs far less than a copy_ per field); None where a dtype has
+        # no numpy twin (bfloat16, ...).
         self.arrays: list[np.ndarray] | None = None
         with contextlib.suppress(TypeError):
             self.arrays = [column.numpy() for column in self.columns]
@@ -52,8 +51,8 @@ class RowStager:
         self._slices: dict[tuple[int, int], list[torch.Tensor]] = {}  # see slices
 
     def slices(self, at: int, count: int) -> list[torch.Tensor]:
-        """Views of rows ``at`` .. ``at + count`` of every column. Kept: slicing costs ~0.4 µs
-        a field, and a vector env stages the same slices over and over."""
+        """Views of rows ``at`` .. ``at + count`` of every column. Kept: slicing is a torch
+        call per field, and a vector env stages the same slices over and over."""
         views = self._slices.get((at, count))
         if views is None:
             if len(self._slices) >= _SLICES:
@@ -108,9 +107,8 @@ class RowStager:
 def row_words(tensor: torch.Tensor) -> np.ndarray | None:
     """A contiguous CPU ``tensor`` (``[rows, ...]``, any dtype) as a ``[rows, row words]``
     numpy view of the widest unsigned word (64, 32, 16 or 8 bits) that divides its row bytes
-    and its address: what :func:`replaybuf.accel.numba_kernels.scatter_rows` takes (a word a copy:
-    15-25%
-    less time than bytes for rows of 4 to 68 bytes). None for a row of no bytes."""
+    and its address: what :func:`replaybuf.accel.numba_kernels.scatter_rows` takes (a word a
+    copy: fewer, wider copies than byte by byte). None for a row of no bytes."""
     if tensor.numel() == 0:
         return None
     rows = tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()

@@ -1,0 +1,101 @@
+"""What SlotStorage reads and repeats of TorchRL's storage and writer state.
+
+TorchRL keeps the allocated columns, the stored length and the bookkeeping of a write in
+private attributes and methods. Every such access is here, in one place, so that a TorchRL
+upgrade that moves them has one module to check. The public writer ``state_dict`` /
+``load_state_dict`` is used wherever it suffices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
+
+from replaybuf.storage.devices import StorageKind
+from replaybuf.storage.schema import Key
+
+# TensorDictReplayBuffer writes its own "index" leaf into every stored row; we never return it.
+INDEX_KEY = ("index",)
+# What TorchRL's TensorStorage.set does besides copying (SlotStorage.write repeats it).
+_SET_BOOKKEEPING = ("_set_last_cursor", "_get_new_len", "_bump_mutation_revision")
+
+
+def new_memory(
+    kind: StorageKind, capacity: int, device: torch.device, scratch: Path | None
+) -> TensorDictReplayBuffer:
+    """An empty TorchRL buffer of ``capacity`` rows: memmap files in ``scratch`` (never
+    cleaned up by TorchRL, whose handlers would be process-wide), or tensors on ``device``."""
+    if kind == "memmap":
+        storage = LazyMemmapStorage(capacity, scratch_dir=scratch, auto_cleanup=False)
+    else:
+        storage = LazyTensorStorage(capacity, device=device)
+    return TensorDictReplayBuffer(storage=storage, batch_size=None)
+
+
+def allocated(memory: TensorDictReplayBuffer) -> TensorDictBase:
+    """The TensorDict TorchRL allocated at the first write (a private attribute)."""
+    return memory.storage._storage
+
+
+def allocated_bytes(memory: TensorDictReplayBuffer) -> int:
+    """Bytes of every allocated column (the user fields and TorchRL's own index column)."""
+    leaves = allocated(memory).values(include_nested=True, leaves_only=True)
+    return sum(v.numel() * v.element_size() for v in leaves)
+
+
+def stored_columns(
+    stored: TensorDictBase,
+) -> tuple[list[tuple[Key, torch.Tensor]], torch.Tensor | None]:
+    """The user fields' columns by flat key, in TorchRL's order, and its own index column
+    (None where it keeps none), as plain tensors."""
+    leaves = []
+    for key, value in stored.items(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        if key != INDEX_KEY:
+            leaves.append((key, value.as_subclass(torch.Tensor)))
+    index = stored.get(INDEX_KEY[0], None)  # TorchRL's own column of row slots
+    return leaves, None if index is None else index.as_subclass(torch.Tensor)
+
+
+def takes_direct_writes(memory: TensorDictReplayBuffer) -> bool:
+    """Whether writes may bypass TorchRL and repeat its bookkeeping through its own methods:
+    only where this TorchRL has them and its writer keeps no more state than a cursor and a
+    count."""
+    return all(
+        hasattr(memory.storage, name) for name in _SET_BOOKKEEPING
+    ) and memory.writer.state_dict().keys() == {"_cursor", "_write_count"}
+
+
+def record_write(storage, cursor: torch.Tensor | range | int, per_row: torch.Tensor) -> None:
+    """What TorchRL's TensorStorage.set records besides the copy, through its own methods:
+    the last cursor (``cursor``: the slots written, a tensor or a range, or the last of
+    them), the length, and the revision that invalidates samplers' caches. ``per_row``: a
+    tensor with one entry per written row along its first dimension (the slots, or a
+    field's values)."""
+    storage._set_last_cursor(cursor)
+    # _get_new_len sets the length to min(length + rows, max_size), a no-op once the storage
+    # is full (a ring's usual state), and a call costs more than len(): skipped then.
+    if len(storage) < storage.max_size:
+        # It counts per_row's rows; of its cursor it only asks whether it is one int (one
+        # row without a leading dimension), which per_row, a tensor, is not.
+        storage._get_new_len(per_row, per_row)
+    storage._bump_mutation_revision()
+
+
+def restore_state(memory: TensorDictReplayBuffer, rows: int, cursor: int, writes: int) -> bool:
+    """Make TorchRL's writer and storage agree with ``rows`` rows filled from slot 0 (a loaded
+    checkpoint): its cursor, write count and length, and its index column, which holds each
+    row's own slot as TensorDictReplayBuffer.extend writes it. Whether it keeps that column."""
+    memory.writer.load_state_dict({"_cursor": cursor, "_write_count": writes})
+    # TorchRL has no public setter for how many rows a storage holds: `_len` is the private
+    # attribute its TensorStorage reads for len(), fullness and sampling bounds.
+    memory.storage._len = rows
+    stored = allocated(memory)
+    if INDEX_KEY[0] not in stored.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
+        return False
+    index = stored.get(INDEX_KEY[0])
+    index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
+    return True
