@@ -28,20 +28,21 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q
 
-# Issue 6's one table (W1-W5, scaling, memory) with PASS/FAIL against the raw floor and the
+# The suite's one table (W1-W5, scaling, memory) with PASS/FAIL against the raw floor and the
 # peers (cpprb, SB3, TorchRL: the bench extra); JSON in benchmarks/results/, plot in
-# benchmarks/scaling.png. --quick runs in under two minutes.
+# benchmarks/scaling.png. --quick runs in under two minutes. Current numbers: docs/performance.md.
 bench: $(VENV)/.installed
 	$(PY) benchmarks/suite.py
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/suite.py --quick
 
-# The per-issue benchmarks (prioritized replay, episodes, checkpoints, ...), beside raw TorchRL.
+# The per-feature benchmarks (prioritized replay, episodes, checkpoints, the ring), beside raw
+# TorchRL.
 bench-detail: $(VENV)/.installed
 	for b in $(BENCHES); do $(PY) benchmarks/$$b.py || exit 1; done
 
-# The CUDA section of issue 6 (GPU storage, CPU memmap -> GPU, inserts): needs a CUDA device.
+# The CUDA benchmark (GPU storage, CPU memmap -> GPU, inserts): needs a CUDA device.
 bench-cuda: $(VENV)/.installed
 	$(PY) benchmarks/bench_cuda.py
 

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: replaybuf save_checkpoint / load_checkpoint beside torch.save and TorchRL.
 
-Issue 4, "Numbers". One run measures, single-threaded (``torch.set_num_threads(1)``), the save and
+One run measures, single-threaded (``torch.set_num_threads(1)``), the save and
 the load of
 
 1. a ``replaybuf.ReplayBuffer`` of ``--transitions`` W1 transitions (1,000,000 by default: obs

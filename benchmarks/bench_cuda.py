@@ -1,4 +1,4 @@
-"""CUDA benchmark (issue 6's CUDA section): replaybuf on a GPU, beside the raw CUDA floor.
+"""CUDA benchmark: replaybuf on a GPU, beside the raw CUDA floor.
 
 Three sections, each timed round-robin inside one run (median over repeats of the mean time of
 a call; every call of a repeat is followed by one ``torch.cuda.synchronize()``, so a time is

@@ -1,6 +1,6 @@
 """Episode buffer benchmarks: replaybuf's EpisodeReplayBuffer beside raw TorchRL, in one run.
 
-Measures (issue 3, "Tests and numbers"), single-threaded (``torch.set_num_threads(1)``), each
+Measures, single-threaded (``torch.set_num_threads(1)``), each
 number the median over repeats:
 
 1. append throughput: one step per call through the async API and through the sync core,
@@ -83,9 +83,9 @@ NOTES = [
     "replaybuf's sampling buffer is filled with every episode in progress at once (one "
     "append_batch per time step), so episodes interleave in storage; TorchRL's episodes are "
     "contiguous (SliceSampler and MultiStepTransform need contiguous time).",
-    "Issue targets: n-step sampling within 2x of 1-step transition sampling, read as (a) "
+    "Targets: n-step sampling within 2x of 1-step transition sampling, read as (a) "
     "sample_n_step n=3 vs n=1 and (b) vs ReplayBuffer.sample_batch; bytes per transition "
-    "within 1.1x of the payload. '< 1x (implied)': the issue asks for appends cheaper than "
+    "within 1.1x of the payload. '< 1x (implied)': appends should cost less than "
     "TorchRL's per-call add.",
     "Timed runs go round-robin over the workloads of a section, so load from other processes "
     "hits them alike; the JSON keeps every run and the minimum beside the median.",

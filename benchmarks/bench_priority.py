@@ -1,6 +1,6 @@
 """Prioritized replay benchmark: replaybuf's PER beside uniform sampling and TorchRL's PER.
 
-Measures (issue 5, "Tests and numbers"), single-threaded (``torch.set_num_threads(1)``), each
+Measures, single-threaded (``torch.set_num_threads(1)``), each
 number the median over repeats that go round-robin over the implementations of a section:
 
 1. ``ReplayBuffer.sample_batch(256)`` from ``--items`` (1,000,000) stored transitions
@@ -76,14 +76,14 @@ PRIORITY_SIGMA = 1.0  # priorities are exp(sigma * N(0, 1)): |TD errors| with a 
 SET_CHUNK = 65_536  # items per update call while setting the initial priorities
 FILL_CHUNK = 50_000  # rows per add_batch / extend while filling transition buffers
 UPDATE_BATCHES = 32  # pre-sampled (index, priority) pairs cycled by the update workloads
-TARGET = 3.0  # the issue's target: prioritized sampling within 3x of uniform
+TARGET = 3.0  # the target: prioritized sampling within 3x of uniform
 BACKENDS = ("torchrl-segment-tree", "torch")
 KINDS = ("memmap", "tensor")
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_priority.json"
 NOTES = [
     "x uniform = time / the same call on an identical non-prioritized buffer (same storage "
     "kind, same data); for TorchRL rows, its PER buffer / a plain TensorDictReplayBuffer over "
-    "the same storage. Target (issue 5): prioritized sampling within 3x of uniform.",
+    "the same storage. Target: prioritized sampling within 3x of uniform.",
     "x torchrl = time / TorchRL's counterpart on the same storage kind: "
     "TensorDictPrioritizedReplayBuffer.sample(256) or .update_priority(index, priority) "
     "(alpha=0.6, beta=0.4, eps=1e-6; its default float32 trees) for prioritized rows, "

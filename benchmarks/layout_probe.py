@@ -1,12 +1,12 @@
 """Why W1 sampling cannot stay within 1.3x from 10^4 to 10^7 stored steps with one column per field.
 
-The issue's scaling target asks for ``sample(256)`` to cost within 1.3x at every stored size.
+The suite's scaling target asks for ``sample(256)`` to cost within 1.3x at every stored size.
 Past the last-level cache every sampled row is a trip to DRAM, and with one tensor per field
 (TorchRL's layout, and the floor's) a W1 transition lies on ~5 cache lines: obs f32[17] is 68
 bytes (always two lines), action f32[6] 24 bytes (two lines a quarter of the time), reward and
 done one each. This probe times, at each stored size, in one process and round-robin:
 
-* ``floor``: ``randint`` + ``index_select`` per field (the issue's floor);
+* ``floor``: ``randint`` + ``index_select`` per field (the suite's floor);
 * ``columns``: ``np.take`` per field, the gather replaybuf's ``sample_batch`` makes;
 * ``lines only``: a compiled loop that loads one byte of each cache line a batch's rows lie
   on, and nothing else (numba; left out without it): the memory cost alone, with every load

@@ -9,7 +9,7 @@ installed (``pip install -e ".[bench]"``) and skipped otherwise (``available()``
 Peers that return NumPy arrays are converted with ``torch.from_numpy`` (zero-copy) inside the
 timed call.
 
-Workloads (the issue's W1-W5):
+Workloads (the suite's W1-W5):
 
 * W1/W5/scaling transitions: obs f32[17], action f32[6], reward f32, done bool;
 * W2 n-step: episodes of ``obs [T+1, 17]``, ``action [T, 6]``, ``reward [T]``, each ended
@@ -139,7 +139,7 @@ def prefix(columns: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tenso
 
 
 def floor_transitions(columns: dict[str, torch.Tensor], batch: int, seed: int = 0) -> Built:
-    """The floor, as the issue writes it: ``randint`` + ``index_select`` per field."""
+    """The floor, as the suite defines it: ``randint`` + ``index_select`` per field."""
     g = torch.Generator().manual_seed(seed)
     names, fields = list(columns), list(columns.values())
     size = fields[0].shape[0]

@@ -1,4 +1,4 @@
-"""The issue-6 benchmark suite: W1-W5 and scaling, replaybuf beside the raw floor and its peers.
+"""The benchmark suite: W1-W5 and scaling, replaybuf beside the raw floor and its peers.
 
 One command runs everything and prints ONE table (workload | floor | replaybuf | ratio to floor
 | best peer | TorchRL | target | PASS/FAIL), writes JSON (machine, versions, load average,
@@ -11,7 +11,7 @@ date, every repeat) and a PNG of sampling cost against stored steps:
     python benchmarks/suite.py --profile-only       # only the profiles (no timings)
     python benchmarks/suite.py --markdown results/suite.json   # a saved run's table, Markdown
 
-Results and the analysis of the misses: ``benchmarks/RESULTS.md``.
+Current results and what we know about the misses: ``docs/performance.md``.
 
 Workloads (single-threaded, ``torch.set_num_threads(1)``; CPU; in-RAM storages unless named):
 
@@ -474,7 +474,7 @@ class Row:
     torchrl: str
     target: str
     ok: bool | None  # None: informational, no target
-    ratio_min: float | None = None  # the same ratio from the fastest repeats (JSON, RESULTS.md)
+    ratio_min: float | None = None  # the same ratio from the fastest repeats (JSON)
 
     @property
     def verdict(self) -> str:
@@ -669,7 +669,7 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             f"W3 sample({PIXEL_BATCH}), {cfg.w3_episodes} episodes written in lockstep",
             "(info: a vector env's interleaved rows)",
         )
-    if peers.RB_FRAMES in p["pairs"]:  # the frame-stack deduplication the issue asks for
+    if peers.RB_FRAMES in p["pairs"]:  # the frame-stack deduplication W3 asks for
         info_row(
             peers.RB_FRAMES,
             f"W3 sample({PIXEL_BATCH}), replaybuf frame_stack=4 (stacks rebuilt)",
@@ -1065,7 +1065,7 @@ def run(cfg: Config, scratch: Path, profile: bool = False) -> dict[str, Any]:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     began = time.perf_counter()
     report: dict[str, Any] = {
-        "suite": "replaybuf benchmarks (issue 6)",
+        "suite": "replaybuf benchmarks",
         "date": harness.now(),
         "config": asdict(cfg),
         "machine": harness.machine(),
