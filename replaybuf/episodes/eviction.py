@@ -25,9 +25,33 @@ if TYPE_CHECKING:
 def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
     """Evict whole episodes so that ``steps`` steps, ``rows`` rows and ``episodes`` fit.
 
+    Nothing changes if it cannot be done (see :func:`choose_victims` for the order and the
+    errors).
+    """
+    victims = choose_victims(core, steps, rows, episodes, protected)
+    if not victims:
+        return
+    # Rows must be written and their bookkeeping placed before they are freed; an episode
+    # that ended before the last flush has none pending (a vector env's steady state, where a
+    # flush per eviction would write a few scattered rows each time instead of a full stager).
+    # With priorities every staged step is admitted first, at the maximum as it stands
+    # before the victims' priorities leave the tree.
+    if core.priorities is not None or not all(flushed(core, episode) for episode in victims):
+        core.flush()
+    for episode in victims:
+        remove_episode(core, episode)
+        core.evicted += 1
+
+
+def choose_victims(
+    core: EpisodeCore, steps: int, rows: int, episodes: int, protected: set[int]
+) -> list[Episode]:
+    """The episodes to evict so that ``steps`` steps, ``rows`` rows and ``episodes`` fit
+    (none when they fit already).
+
     Oldest finished episodes go first (by start order), then oldest in progress; episodes
     in ``protected`` (those being written) never go, and an episode holding no rows goes
-    only when the episode count is over. Nothing changes if it cannot be done.
+    only when the episode count is over.
 
     Raises:
         RowsPinned: the rows needed are held by an open checkpoint snapshot.
@@ -38,9 +62,9 @@ def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected
     cap = core.max_episodes
     over_eps = len(core.episodes) + episodes - cap if cap else 0
     frees_rows = not core.pinned  # while a snapshot is open, evicted rows stay quarantined
-    if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
-        return
     victims: list[Episode] = []
+    if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
+        return victims
     candidates = eviction_order(core, protected)
     try:
         for episode in candidates:
@@ -52,27 +76,16 @@ def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected
             over_rows -= holds if frees_rows else 0
             over_eps -= 1
             if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
-                break
-        else:
-            if core.pinned and over_rows > 0:
-                raise RowsPinned("every free row is held by an open checkpoint snapshot")
-            raise ValueError(
-                f"cannot make room for {steps} step(s) and {episodes} episode(s): "
-                f"max_steps={core.max_steps}, max_episodes={core.max_episodes}, and "
-                f"episode(s) {sorted(protected)} being written cannot be evicted"
-            )
+                return victims
+        if core.pinned and over_rows > 0:
+            raise RowsPinned("every free row is held by an open checkpoint snapshot")
+        raise ValueError(
+            f"cannot make room for {steps} step(s) and {episodes} episode(s): "
+            f"max_steps={core.max_steps}, max_episodes={core.max_episodes}, and "
+            f"episode(s) {sorted(protected)} being written cannot be evicted"
+        )
     finally:
-        candidates.close()
-    # Rows must be written and their bookkeeping placed before they are freed; an episode
-    # that ended before the last flush has none pending (a vector env's steady state, where a
-    # flush per eviction would write a few scattered rows each time instead of a full stager).
-    # With priorities every staged step is admitted first, at the maximum as it stands
-    # before the victims' priorities leave the tree.
-    if core.priorities is not None or not all(flushed(core, episode) for episode in victims):
-        core.flush()
-    for episode in victims:
-        remove_episode(core, episode)
-        core.evicted += 1
+        candidates.close()  # puts the finished episodes it popped back on the heap
 
 
 def eviction_order(core: EpisodeCore, protected: set[int]) -> Iterator[Episode]:
