@@ -18,7 +18,7 @@ from reference import ReferenceBuffer
 from tensordict import TensorDict
 
 from replaybuf.episodes.anchors import AnchorSet
-from replaybuf.episodes.core import RowLinks
+from replaybuf.episodes.links import RowLinks
 
 
 def mirrored() -> Any:

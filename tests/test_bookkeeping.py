@@ -126,8 +126,8 @@ def run(
 def test_direct_and_mirrored_reads_see_the_same_consistent_bookkeeping(ops_, frame_stack, settle):
     # settle: how many repeated batches a run holds before their rows go to their episodes.
     with (
-        mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes.core._SETTLE_BATCHES", settle),
+        mock.patch.multiple("replaybuf.episodes.staging", _FLUSH_ROWS=3, _FLUSH_BYTES=0),
+        mock.patch("replaybuf.episodes.batch_run._SETTLE_BATCHES", settle),
     ):
         host = run(ops_, frame_stack)
         with mirrored():
@@ -156,12 +156,14 @@ def test_evicting_without_a_flush_stores_what_flushing_first_stores(ops_, flush_
     cores = []
     for always in (False, True):
         flushed = (
-            mock.patch.object(EpisodeCore, "_flushed", return_value=False)
+            mock.patch("replaybuf.episodes.eviction.flushed", return_value=False)
             if always
             else contextlib.nullcontext()
         )
         with (
-            mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+            mock.patch.multiple(
+                "replaybuf.episodes.staging", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0
+            ),
             flushed,
         ):
             cores.append(run(ops_, None))
@@ -229,7 +231,9 @@ def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_ro
     for flag in ("1", "0"):
         with (
             mock.patch.dict(os.environ, {NUMBA_ENV: flag}),  # read when the core is built
-            mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0),
+            mock.patch.multiple(
+                "replaybuf.episodes.staging", _FLUSH_ROWS=flush_rows, _FLUSH_BYTES=0
+            ),
         ):
             cores.append(run(ops_, frame_stack))
     compiled, numpy = cores
@@ -333,7 +337,7 @@ def test_compiled_writes_take_the_row_arrays_the_numpy_paths_take(form):
     take contiguous int64) convert them and write what the numpy paths write."""
     from replaybuf.accel.numba_loader import compiled_kernels
     from replaybuf.episodes.anchors import AnchorSet
-    from replaybuf.episodes.core import RowLinks
+    from replaybuf.episodes.links import RowLinks
 
     def rows(*values: int):
         wide = np.repeat(np.array(values, dtype=np.int64), 2)  # every value twice
@@ -527,8 +531,8 @@ def test_a_long_batch_run_read_midway_stores_what_single_appends_store(settle):
     ids = [[buf.start_episode() for _ in range(envs)] for buf in bufs]
     with (
         # Staged rows written every 2 batches.
-        mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
-        mock.patch("replaybuf.episodes.core._SETTLE_BATCHES", settle),
+        mock.patch.multiple("replaybuf.episodes.staging", _FLUSH_ROWS=2 * envs, _FLUSH_BYTES=0),
+        mock.patch("replaybuf.episodes.batch_run._SETTLE_BATCHES", settle),
     ):
         for t in range(batches):
             obs = np.arange(envs * 3, dtype=np.float32).reshape(envs, 3) + 10 * t

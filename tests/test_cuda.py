@@ -106,7 +106,7 @@ def test_row_bookkeeping_read_on_cuda_matches_the_host_columns(ops_, frame_stack
     # CUDA storage reads its links and anchors from copies on the GPU, updated when read;
     # CPU storage reads the host columns the writes land in. Both must agree with the slow
     # rebuild (inside run) and with each other, column by column.
-    with mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=3, _FLUSH_BYTES=0):
+    with mock.patch.multiple("replaybuf.episodes.staging", _FLUSH_ROWS=3, _FLUSH_BYTES=0):
         host = run(ops_, frame_stack)
         gpu = run(ops_, frame_stack, storing="cuda")
     assert gpu.links._mirror is not None

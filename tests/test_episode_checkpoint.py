@@ -18,7 +18,7 @@ from replaybuf import (
     ReplayBuffer,
     SyncEpisodeReplayBuffer,
 )
-from replaybuf.episodes.core import RowsPinned
+from replaybuf.episodes.episode import RowsPinned
 
 
 def fill(buf: SyncEpisodeReplayBuffer) -> list[int]:

@@ -38,7 +38,7 @@ def general_path_only(buf: SyncEpisodeReplayBuffer) -> SyncEpisodeReplayBuffer:
 def small_staging():
     """Staging buffers of 3 rows, so that the tests reach the full-stager branches and
     batches larger than a stager."""
-    return mock.patch.multiple("replaybuf.episodes.core", _FLUSH_ROWS=3, _FLUSH_BYTES=0)
+    return mock.patch.multiple("replaybuf.episodes.staging", _FLUSH_ROWS=3, _FLUSH_BYTES=0)
 
 
 def fields_equal(a, b) -> bool:

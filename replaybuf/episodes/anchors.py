@@ -6,8 +6,8 @@ mask would need a scan per draw. So the valid rows are kept packed in ``rows[:co
 appends, and a removal fills each hole with a survivor from the tail. ``count`` lives on the host
 so no update or draw needs a device synchronisation.
 
-Adds and removes run on numpy columns on the host (a numpy fancy index costs ~0.8 µs, a torch
-one ~5 µs on the CPU and a launch plus a copy on CUDA, and each flush makes several). Draws read
+Adds and removes run on numpy columns on the host (a torch fancy index costs several times a
+numpy one on the CPU and a launch plus a copy on CUDA, and each flush makes several). Draws read
 those columns on the CPU, and elsewhere a device copy updated when read
 (:mod:`replaybuf.storage.mirror`).
 """
@@ -45,8 +45,8 @@ class AnchorSet:
         if mirror or (mirror is None and device.type != "cpu"):
             self._mirror = DeviceMirror(self._host, device)
         # replaybuf.accel.numba_kernels.remove_anchors for removals (None: numpy); not with a
-        # device copy,
-        # which needs the places and rows each removal changed, as the numpy path has them.
+        # device copy, which needs the places and rows each removal changed, as the numpy path
+        # has them.
         self._kernels = kernels if self._mirror is None else None
 
     def __len__(self) -> int:
@@ -152,9 +152,11 @@ class AnchorSet:
         return places, rows
 
     def sample_host(self, batch_size: int, generator: torch.Generator) -> np.ndarray:
-        """:meth:`sample`'s rows as a contiguous int64 numpy array (the same draws), for a set
-        whose draws read the host columns (:attr:`on_host`); numpy's take costs ~1.5 µs less
-        than torch's there."""
+        """:meth:`sample`'s rows as a contiguous int64 numpy array (the same draws).
+
+        For a set whose draws read the host columns (:attr:`on_host`), where numpy's take is
+        cheaper than torch's index.
+        """
         # device: the host columns', not torch's default device (set_default_device("cuda")).
         picks = torch.randint(
             0, self.count, (batch_size,), generator=generator, device=self._rows.device
