@@ -21,7 +21,9 @@ Modules: :mod:`~replaybuf.integrations.ray.packing` (tensors and batches in tran
 Needs the ``ray`` extra: ``pip install 'replaybuf[ray]'``.
 """
 
-try:  # checked first, so that the error names the extra before any module needs Ray
+# Checked here, before any submodule: the error names the extra, also where a submodule is
+# already imported.
+try:
     import ray  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("replaybuf.integrations.ray needs Ray: pip install 'replaybuf[ray]'") from exc
