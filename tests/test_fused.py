@@ -30,6 +30,8 @@ from tensordict import TensorDictBase
 
 import replaybuf.accel.fused as fused
 from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.accel.fused import common as fused_common
+from replaybuf.accel.fused import sequence_walk, strict_redraw, windows
 from replaybuf.core.index import full_sequence_starts, stack_rows
 from replaybuf.errors import EmptyBufferError
 from replaybuf.sampling.draws import STRICT_TRIES, draw_sequences
@@ -100,21 +102,23 @@ def generator(device: torch.device) -> torch.Generator:
 
 
 class Counting:
-    """Counts the launches (their program counts) of one of ``fused``'s kernels while on."""
+    """Counts the launches (their program counts) of one of ``fused``'s kernels while on
+    (``name`` in ``module``, the module that launches it)."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.kernel, self.calls = name, getattr(fused, name), []
+    def __init__(self, module: Any, name: str) -> None:
+        self.module, self.name, self.calls = module, name, []
+        self.kernel = getattr(module, name)
 
     def __getitem__(self, grid: tuple[int]) -> object:
         self.calls.append(grid[0])
         return self.kernel[grid]
 
     def __enter__(self) -> list[int]:
-        setattr(fused, self.name, self)
+        setattr(self.module, self.name, self)
         return self.calls
 
     def __exit__(self, *exc: object) -> None:
-        setattr(fused, self.name, self.kernel)
+        setattr(self.module, self.name, self.kernel)
 
 
 def torch_ops() -> mock._patch_dict:
@@ -133,12 +137,12 @@ def compare(
     g = torch.Generator(device=buf.device).manual_seed(1)
     places, table = core.anchors.draw_places(batch, g)
     start = table.index_select(0, places)
-    with Counting("_nstep_windows_kernel") as calls, torch_ops():
+    with Counting(windows, "_nstep_windows_kernel") as calls, torch_ops():
         want = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
         looked_up = nstep_batch(core, places, n, gamma, buf.device, generator(buf.device), table)
     assert not calls
     assert_same(want, looked_up)
-    with Counting("_nstep_windows_kernel") as calls:
+    with Counting(windows, "_nstep_windows_kernel") as calls:
         got = nstep_batch(core, start, n, gamma, buf.device, generator(buf.device))
         picked = nstep_batch(core, places, n, gamma, buf.device, generator(buf.device), table)
     assert_same(want, got)
@@ -167,7 +171,7 @@ def compare_sequences(
                 draw_sequences(core, batch, length, True, generator(device), draw)
         assert buf._device_draws() == before  # nothing drawn
         return []
-    with Counting("_sequence_kernel") as calls:
+    with Counting(sequence_walk, "_sequence_kernel") as calls:
         start, weight, walk = draw_sequences(core, batch, length, strict, generator(device), draw)
         got = sequence_batch(core, start, length, device, walk, full=strict)
         from_start = sequence_batch(core, start, length, device, None, full=strict)
@@ -269,7 +273,7 @@ def test_the_kernel_declines_what_it_does_not_take():
         assert fused.stack_rows(start, 3, prev_row.int()) is None
         walk_draws = start.unsqueeze(1)
         assert fused.sequences(walk_draws, None, 3, links, strict=False) is not None
-        with mock.patch.object(fused, "_int32_offsets", return_value=False):  # too big
+        with mock.patch.object(fused_common, "int32_offsets", return_value=False):  # too big
             assert fused.nstep_windows(start, 2, 2, 0.9, links, rewards) is None
             assert fused.stack_rows(start, 3, prev_row) is None
             assert fused.sequences(walk_draws, None, 3, links, strict=False) is None
@@ -361,7 +365,7 @@ def test_strict_sequence_draws_in_the_kernel_are_uniform(few):
         assert len(fits) == (3 if few else 9)
         g = torch.Generator().manual_seed(4)
         counts = Counter()
-        with Counting("_sequence_kernel") as calls:
+        with Counting(sequence_walk, "_sequence_kernel") as calls:
             for _ in range(10):
                 start, _, walk = draw_sequences(core, 300, 3, True, g)
                 assert walk is not None
@@ -379,8 +383,8 @@ def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
     the anchors with 3 steps ahead: 9 of 13, and 9 of 165 in three episodes between one-step
     ones (most slots redrawn). The redraw's scan is cut into 4 parts of 8-anchor steps, so
     that the 9 lie in several parts and steps."""
-    monkeypatch.setattr(fused, "PARTS", 4)
-    monkeypatch.setattr(fused, "SCAN", 8)
+    monkeypatch.setattr(strict_redraw, "PARTS", 4)
+    monkeypatch.setattr(strict_redraw, "SCAN", 8)
     spaced = ([(1, "terminated")] * 50 + [(5, "truncated")]) * 3
     buf, fits = fitting(spaced if few else [(9, None), (6, None)], 400)
     with buf:
@@ -389,7 +393,8 @@ def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
         want = set(zip(owners, steps, strict=True))
         assert len(want) == 9
         counts: Counter = Counter()
-        with Counting("_pick_kernel") as picks, Counting("_count_full_kernel") as parts:
+        picking = Counting(strict_redraw, "_pick_kernel")
+        with picking as picks, Counting(strict_redraw, "_count_full_kernel") as parts:
             for _ in range(12):
                 batch = buf.sample_sequences(40, 3)
                 assert bool(batch["mask"].all())
@@ -400,14 +405,14 @@ def test_strict_draws_redrawn_on_the_device_are_uniform(few, monkeypatch):
         assert picks == [40] * 12  # one program per slot, every batch
         assert parts == [4] * 12
         # not strict: every slot takes its one draw, and no redraw is launched
-        with Counting("_pick_kernel") as picks:
+        with Counting(strict_redraw, "_pick_kernel") as picks:
             buf.sample_sequences(40, 3, strict=False)
         assert picks == []
 
 
 def compiled_on_cuda(test: Any) -> Any:
     """The marks of a test of the compiled kernels: a GPU test, with CUDA and Triton."""
-    test = pytest.mark.skipif(fused.triton is None, reason="needs Triton")(test)
+    test = pytest.mark.skipif(fused_common.triton is None, reason="needs Triton")(test)
     test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test)
     return pytest.mark.gpu(test)
 
@@ -448,8 +453,8 @@ def test_the_compiled_kernel_matches_the_torch_ops_on_cuda(dtype, n):
 
 def test_outputs_past_int32_offsets_are_declined():
     """The kernels index their outputs in int32: 2^31 elements an output is one too many."""
-    assert fused._int32_offsets(2**31 - 1)
-    assert not fused._int32_offsets(2**31)
+    assert fused_common.int32_offsets(2**31 - 1)
+    assert not fused_common.int32_offsets(2**31)
 
 
 @pytest.mark.parametrize(
@@ -458,11 +463,11 @@ def test_outputs_past_int32_offsets_are_declined():
 def test_gpus_triton_does_not_build_for_keep_the_torch_ops(monkeypatch, capability, builds):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
-    fused._triton_compiles_for.cache_clear()
+    fused_common.triton_compiles_for.cache_clear()
     try:
-        assert fused._triton_compiles_for(0) is builds
+        assert fused_common.triton_compiles_for(0) is builds
     finally:
-        fused._triton_compiles_for.cache_clear()
+        fused_common.triton_compiles_for.cache_clear()
 
 
 @compiled_on_cuda

@@ -31,6 +31,7 @@ from test_fused import INTERPRETED
 import replaybuf.accel.fused as fused
 import replaybuf.accel.graphs as graphs
 from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.accel.fused import strict_redraw
 from replaybuf.accel.graphs import CAPTURE_AT, LIMIT, BatchGraphs, NotCapturable
 
 CUDA = torch.cuda.is_available()
@@ -336,8 +337,8 @@ def test_graphed_strict_draws_are_uniform_over_full_starts(device, monkeypatch):
     """In the interpreter with the stand-in capture, and on the GPU with real graphs. The
     redraw's scan is cut into 4 parts of 8-anchor steps, so that the compiled loops run
     several steps and the 7 qualifying anchors lie in several parts."""
-    monkeypatch.setattr(fused, "PARTS", 4)
-    monkeypatch.setattr(fused, "SCAN", 8)
+    monkeypatch.setattr(strict_redraw, "PARTS", 4)
+    monkeypatch.setattr(strict_redraw, "SCAN", 8)
     with stand_in_graphs() if device == "cpu" else contextlib.nullcontext():
         buf = SyncEpisodeReplayBuffer(100, device=device, storing_device=device, seed=1)
         keys, counts, full = strict_draw_counts(buf, 30 if device == "cpu" else 100)

@@ -1,11 +1,11 @@
 """Captured CUDA graphs of a batch's device work: its launches replayed as one.
 
 On CUDA storage a uniform n-step or sequence batch is 4-10 launches (the draw, the fused
-Triton kernel, one gather per field, padding), and each costs the host 10-40 µs (measured on
-an H200's host) for about a microsecond of GPU work: the batch waits on Python, not on the
-GPU. A CUDA graph of that work replays it in one launch. Written by hand: TorchRL samples
-without graphs, and ``torch.compile(mode="reduce-overhead")`` recompiles per batch size and
-takes seconds on a first batch.
+Triton kernel, one gather per field, padding), and each costs the host many times the GPU work
+it launches: the batch waits on Python, not on the GPU. A CUDA graph of that work replays it in
+one launch. Written by hand: TorchRL samples without graphs, and
+``torch.compile(mode="reduce-overhead")`` recompiles per batch size and compiles for a long
+while on a first batch.
 
 What a replay must not get wrong, and how it does not:
 
@@ -170,7 +170,7 @@ class BatchGraphs:
 
     def _order_after_last(self) -> None:
         """Order the current stream after the last replay's or draw's (a no-op on the same
-        stream: one handle read, ~0.3 µs)."""
+        stream: one handle read)."""
         handle = _raw_stream(self.device)
         if handle is None or handle == self._stream_handle:
             return
@@ -300,7 +300,7 @@ def _bytes(value: torch.Tensor) -> torch.Tensor:
 def _unpack(entry: _Entry) -> list[torch.Tensor]:
     """Fresh copies of the last replay's outputs: one clone of the packed bytes, cut into
     views (per dtype a slice and a dtype view, then one ``unbind`` where its outputs share a
-    shape, else a split and a shape view each: each view costs the host ~1 µs)."""
+    shape, else a split and a shape view each: each view is a host call of its own)."""
     data = entry.packed.clone()
     values: list[torch.Tensor] = [data] * entry.outputs  # each place filled below
     for dtype, first, end, sizes, shapes, places in entry.parts:
@@ -322,7 +322,7 @@ def _unpack(entry: _Entry) -> list[torch.Tensor]:
 
 def _raw_stream(device: torch.device) -> int | None:
     """The handle of the stream replays and copies run on (None off CUDA: the tests'
-    stand-in graphs); cheaper than a ``torch.cuda.Stream`` (~0.3 against ~3 µs)."""
+    stand-in graphs); cheaper than building a ``torch.cuda.Stream`` object."""
     if device.type != "cuda":
         return None
     index = torch.cuda.current_device() if device.index is None else device.index

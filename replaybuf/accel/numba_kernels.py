@@ -7,14 +7,12 @@ Written by hand because neither torch, numpy nor TorchRL has them. Both jobs are
 independent walks through large tables (a search per mass, a chain of links per anchor), and
 on the CPU their cost is memory latency and the numpy calls between steps: numpy's
 ``searchsorted`` finishes one search before it starts the next, TorchRL's C++ sum tree
-descends one mass at a time, and the numpy n-step path makes ~25 calls of a few µs each.
-These kernels take one step for all the walks at once, so their loads are independent and
-overlap, and do all the steps in one call: 256 prioritized draws at 1M items in ~18 µs
-against ~75 µs for numpy and TorchRL's tree.
+descends one mass at a time, and the numpy n-step path makes ~25 numpy calls. These kernels
+take one step for all the walks at once, so their loads are independent and overlap, and do all
+the steps in one call.
 
 Callers load this module through :mod:`replaybuf.accel.numba_loader`, and run their numpy paths
-where
-it does not load. The kernels compute what those paths compute, with the same float
+where it does not load. The kernels compute what those paths compute, with the same float
 operations in the same order (the tests check them against each other; the one exception is
 noted where it occurs). Importing this module compiles the kernels for their declared
 signatures (or loads them from numba's cache, next to this file or in numba's user cache).
@@ -214,8 +212,8 @@ def nstep_windows(
 def stack_rows(rows: np.ndarray, k: int, prev_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`replaybuf.core.index.stack_rows` of ``rows [N]`` (k >= 1), flattened: ``stacked``
     and ``real`` ``[N * k]``, row i's stack at ``[i * k, (i + 1) * k)``, oldest first. The
-    numpy version makes ~4 calls per step back (~15 µs for W3's 64 rows, k = 4); this is one
-    loop, one step back for every row at a time (independent loads)."""
+    numpy version makes ~4 calls per step back; this is one loop, one step back for every row
+    at a time (independent loads)."""
     count = rows.shape[0]
     stacked = np.empty(count * k, np.int64)
     real = np.empty(count * k, np.bool_)
@@ -239,9 +237,8 @@ _WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, 
 def scatter_rows(column: np.ndarray, staged: np.ndarray, rows: np.ndarray) -> None:
     """``column[rows[i]] = staged[i]`` for each i, on the rows' words (``[slots, row words]``
     views of any dtype, see :func:`replaybuf.storage.staging.row_words`). The episode core's flush:
-    rows of interleaved episodes land all over the column, and torch's ``index_copy_`` costs
-    ~2x this there (~48 against ~22 µs for 512 rows of the W4 fields), most of it per-call
-    set-up repeated for each field."""
+    rows of interleaved episodes land all over the column, and torch's ``index_copy_`` spends
+    most of its time there on per-call set-up, repeated for each field."""
     if staged.shape[1] != column.shape[1] or staged.shape[0] < rows.shape[0]:
         raise ValueError("row write: staged rows of another width, or fewer than the slots")
     slots = column.shape[0]
@@ -259,8 +256,8 @@ def scatter_rows(column: np.ndarray, staged: np.ndarray, rows: np.ndarray) -> No
 # A flush places a stager's worth of rows (4,096 for the W4 fields) and an eviction frees a
 # whole episode's; in a vector env's steady state those rows lie one per cache line, and the
 # numpy paths make a dozen fancy-index calls, each a pass with its own temporaries, where one
-# loop makes the same writes (evicting a 1,000-step episode: ~20 against ~35 µs). A column
-# that is not kept (``prev_row`` without frame stacking) comes as an empty array.
+# loop makes the same writes. A column that is not kept (``prev_row`` without frame stacking)
+# comes as an empty array.
 
 
 @njit(cache=True)

@@ -2,11 +2,11 @@
 
 The kernels are an extra (``pip install 'replaybuf[fast]'``): without numba, or with
 ``REPLAYBUF_NUMBA=0``, every caller runs its numpy path instead, with the same results (to
-rounding where replaybuf.accel.numba_kernels says so). One choice follows from it: ``"auto"``
-prioritized
-buffers on the CPU take TorchRL's segment tree, where it loads, when the kernels do not run.
-This module never imports numba itself; the first call to :func:`compiled_kernels` does (on a
-fresh install that compiles the kernels, a few seconds, then numba caches them).
+rounding where replaybuf.accel.numba_kernels says so). One choice follows from it:
+``"auto"`` prioritized buffers on the CPU take TorchRL's segment tree, where it loads, when the
+kernels do not run. This module never imports numba itself; the first call to
+:func:`compiled_kernels` does (on a fresh install that compiles the kernels once, then numba
+caches them).
 """
 
 from __future__ import annotations

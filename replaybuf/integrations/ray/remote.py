@@ -1,329 +1,31 @@
-"""The episode buffer as a Ray async actor, for collectors and a learner on many processes or nodes.
-
-:class:`RemoteEpisodeReplayBuffer` is a thin, picklable client: pass it to collector actors (or
-look the actor up by name on another node) and ``await`` the same methods as on
-:class:`replaybuf.EpisodeReplayBuffer`. The actor runs one ``EpisodeReplayBuffer`` in its event
-loop, so its asyncio semantics (each call atomic, a checkpoint is a snapshot of one instant)
-hold across processes.
-
-Transport: a tensor never goes through ``torch``'s pickler (which copies each storage into a
-bytes object). A sampled TensorDict leaves the actor as a :class:`PackedBatch`, a flat tuple of
-``(key, numpy array)`` leaves; Ray serializes numpy arrays out of band, so a large batch is one
-object in the shared-memory object store, written once and mapped by a reader on the same node.
-The client rebuilds the TensorDict on its own ``device`` (one copy, so the tensors it returns
-are writable and owned by the caller). Tensors passed to ``append_*`` travel the same way.
-
-Needs the ``ray`` extra: ``pip install 'replaybuf[ray]'``.
-"""
+"""The client: a picklable handle on the buffer actor whose awaited methods mirror
+:class:`replaybuf.EpisodeReplayBuffer`'s."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import inspect
-import itertools
 import os
-import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import ray
 import torch
-from tensordict import TensorDict, TensorDictBase
-
-try:
-    import ray
-    from ray.actor import ActorHandle
-    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("replaybuf.integrations.ray needs Ray: pip install 'replaybuf[ray]'") from exc
+from ray.actor import ActorHandle
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from tensordict import TensorDict
 
 from replaybuf.args import NArg
 from replaybuf.buffers import EpisodeReplayBuffer
 from replaybuf.errors import BufferClosedError
+from replaybuf.integrations.ray.actor import RemoteBufferActor
+from replaybuf.integrations.ray.packing import pack_value, unpack_batch, unpack_result
+from replaybuf.integrations.ray.portable import PortableError
 from replaybuf.storage import resolve_device
 
-__all__ = ["PackedArray", "PackedBatch", "RemoteEpisodeReplayBuffer", "pack_batch", "unpack_batch"]
 
-# Integer dtypes of each element size: numpy has no bfloat16 / float8, so those travel as bits.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_READ_ONLY = "The given NumPy array is not writable"
-
-
-# --------------------------------------------------------------------------------- transport
-@dataclass(frozen=True)
-class PackedArray:
-    """One tensor in transit: a numpy array Ray moves zero-copy, and the torch dtype it holds."""
-
-    array: np.ndarray
-    dtype: str  # torch dtype name ("float32", "bfloat16", ...); the array may hold its bits
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """A TensorDict in transit: its batch size and its leaves, by nested key, flat."""
-
-    batch_size: tuple[int, ...]
-    leaves: tuple[tuple[tuple[str, ...], PackedArray], ...]
-
-
-def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
-    """A tensor as a CPU numpy array (shared with the tensor when it is already one)."""
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"{name}: only dense tensors can be sent to a Ray buffer, got {tensor!r}")
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    try:
-        array = tensor.numpy()
-    except TypeError:  # no numpy dtype (bfloat16, float8, complex32): send the bits
-        array = tensor.view(_BITS[tensor.element_size()]).numpy()
-    return PackedArray(array, dtype)
-
-
-def _unpack_tensor(packed: PackedArray, device: torch.device, copy: bool) -> torch.Tensor:
-    """The tensor of a :class:`PackedArray` on ``device``; ``copy`` makes it writable memory."""
-    dtype = getattr(torch, packed.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"packed array: unknown torch dtype {packed.dtype!r}")
-    array = packed.array
-    if copy and device.type == "cpu" and not array.flags.writeable:
-        array = array.copy()  # numpy's copy: several times faster than a fresh torch clone here
-    with warnings.catch_warnings():  # arrays from Ray's object store are read-only views
-        warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)
-        tensor = torch.from_numpy(array)
-    if tensor.dtype != dtype:
-        tensor = tensor.view(dtype)
-    return tensor if device.type == "cpu" else tensor.to(device)  # the H2D copy is the copy
-
-
-def pack_batch(batch: TensorDictBase) -> PackedBatch:
-    """A TensorDict as numpy leaves, so Ray moves it without pickling tensors one by one."""
-    if not isinstance(batch, TensorDictBase):
-        raise TypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
-    leaves = []
-    for key, value in batch.items(include_nested=True, leaves_only=True):
-        key = (key,) if isinstance(key, str) else tuple(key)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"batch: field {'.'.join(key)!r} is not a tensor ({value!r})")
-        leaves.append((key, _pack_tensor(value, ".".join(key))))
-    return PackedBatch(tuple(batch.batch_size), tuple(leaves))
-
-
-def unpack_batch(
-    packed: PackedBatch, device: torch.device | str = "cpu", *, copy: bool = True
-) -> TensorDict:
-    """The TensorDict of :func:`pack_batch` on ``device``.
-
-    With ``copy`` (the default) every tensor owns writable memory; ``copy=False`` keeps CPU
-    tensors as views of the received arrays, read-only when they sit in Ray's object store.
-    """
-    if not isinstance(packed, PackedBatch):
-        raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
-    device = resolve_device(device, "device")
-    td = TensorDict({}, batch_size=list(packed.batch_size), device=device)
-    for key, leaf in packed.leaves:
-        td.set(key, _unpack_tensor(leaf, device, copy))
-    return td
-
-
-def _pack_value(value: Any) -> Any:
-    """An argument for the actor: tensors and numeric arrays (also inside dicts) packed."""
-    if isinstance(value, TensorDictBase):
-        return pack_batch(value)
-    if isinstance(value, torch.Tensor):
-        return _pack_tensor(value)
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-        return _pack_tensor(torch.from_numpy(np.ascontiguousarray(value)))
-    if type(value) is dict:
-        return {k: _pack_value(v) for k, v in value.items()}
-    return value  # numbers, ids, strings and anything the buffer itself will judge
-
-
-def _unpack_value(value: Any) -> Any:
-    """An argument as the buffer expects it; no copy: the buffer copies what it stores."""
-    cpu = torch.device("cpu")
-    if isinstance(value, PackedBatch):
-        return unpack_batch(value, cpu, copy=False)
-    if isinstance(value, PackedArray):
-        return _unpack_tensor(value, cpu, copy=False)
-    if type(value) is dict:
-        return {k: _unpack_value(v) for k, v in value.items()}
-    return value
-
-
-def _pack_result(value: Any) -> Any:
-    """A result for the client: TensorDicts (also in a list) packed, the rest as is."""
-    if isinstance(value, TensorDictBase):
-        return pack_batch(value)
-    if isinstance(value, list):
-        return [_pack_result(v) for v in value]
-    return value
-
-
-def _unpack_result(value: Any, device: torch.device) -> Any:
-    """A result as the local buffer would return it, batches rebuilt on ``device``."""
-    if isinstance(value, PackedBatch):
-        return unpack_batch(value, device)
-    if isinstance(value, list):
-        return [_unpack_result(v, device) for v in value]
-    return value
-
-
-# --------------------------------------------------------------------------------- errors
-class _PortableError(Exception):
-    """Carries an exception whose class does not unpickle (its ``__init__`` wants more args)."""
-
-    def rebuild(self) -> BaseException:
-        """The original exception's class, message and attributes, built without ``__init__``."""
-        cls, args, state = self.args
-        for new in (cls.__new__, BaseException.__new__):  # MemoryError's own refuses subclasses
-            try:
-                error = new(cls)
-            except TypeError:
-                continue
-            error.args = args
-            error.__dict__.update(state)
-            return error
-        return RuntimeError(f"{cls.__module__}.{cls.__qualname__}: {args}")
-
-
-@contextlib.contextmanager
-def _portable_errors() -> Iterator[None]:
-    """Let an error raised in the actor reach the client as its own class, message and fields."""
-    try:
-        yield
-    except Exception as error:
-        try:
-            # What unpickling would do (an exception pickles as its __reduce__), without
-            # unpickling anything: replaybuf never calls pickle.loads (test_checkpoint_format).
-            rebuild, args = error.__reduce__()[:2]
-            rebuild(*args)
-        except Exception:
-            raise _PortableError(type(error), error.args, dict(vars(error))) from error
-        raise
-
-
-# --------------------------------------------------------------------------------- the actor
-# The EpisodeReplayBuffer coroutines a client may call through ``_BufferActor.call``.
-_CALLS = frozenset(
-    {
-        "start_episode",
-        "append_observation_action_reward",
-        "append_batch",
-        "end_episode",
-        "sample_n_step",
-        "sample_sequences",
-        "get_episode",
-        "sample_episodes",
-        "update_priorities",
-        "set_beta",
-        "stats",
-        "wait_for_steps",
-        "clear",
-        "save_checkpoint",
-        "save",
-        "load",
-    }
-)
-
-
-@dataclass
-class _Epoch:
-    """An epoch iterator kept in the actor between a client's ``epochs_next`` calls."""
-
-    batches: AsyncIterator[TensorDict]
-    lock: asyncio.Lock
-
-
-class _BufferActor:
-    """One EpisodeReplayBuffer in a Ray async actor; every method runs in the actor's loop."""
-
-    def __init__(self) -> None:
-        self._buffer: EpisodeReplayBuffer | None = None
-        self._epochs: dict[int, _Epoch] = {}
-        self._tokens = itertools.count()
-
-    def _live(self) -> EpisodeReplayBuffer:
-        """The buffer, or BufferClosedError once :meth:`shutdown` ran."""
-        if self._buffer is None:
-            raise BufferClosedError("the buffer is closed")
-        return self._buffer
-
-    async def open(self, directory: str | None, kwargs: dict[str, Any]) -> None:
-        """Build the buffer here, not in ``__init__``, so a bad argument returns as itself."""
-        with _portable_errors():
-            if directory is None:
-                self._buffer = EpisodeReplayBuffer(**kwargs)
-            else:
-                self._buffer = await EpisodeReplayBuffer.open(directory, **kwargs)
-
-    async def call(self, request: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
-        """Run ``(method, args, kwargs)`` on the buffer; TensorDicts come back packed.
-
-        One argument, not several: Ray serializes each argument of a call on its own.
-        """
-        method, args, kwargs = request
-        if method not in _CALLS:
-            raise AttributeError(f"the Ray buffer actor has no method {method!r}")
-        buffer = self._live()
-        args = tuple(_unpack_value(a) for a in args)
-        kwargs = {k: _unpack_value(v) for k, v in kwargs.items()}
-        with _portable_errors():
-            return _pack_result(await getattr(buffer, method)(*args, **kwargs))
-
-    async def epochs_open(self, batch_size: int, n_epochs: int, **kwargs: Any) -> int:
-        """Start an epoch iterator and return its token for ``epochs_next``."""
-        batches = self._live().iterate_epochs(batch_size, n_epochs, **kwargs)  # checks on 1st next
-        token = next(self._tokens)
-        self._epochs[token] = _Epoch(batches, asyncio.Lock())
-        return token
-
-    async def epochs_next(self, token: int) -> PackedBatch | None:
-        """The iterator's next batch, packed; None once it is exhausted or closed."""
-        epoch = self._epochs.get(token)
-        if epoch is None:
-            self._live()  # closed buffer: say so rather than end the iteration quietly
-            return None
-        async with epoch.lock:
-            if token not in self._epochs:
-                return None
-            try:
-                with _portable_errors():
-                    batch = await anext(epoch.batches)
-            except StopAsyncIteration:
-                self._epochs.pop(token, None)
-                return None
-            except BaseException:
-                self._epochs.pop(token, None)
-                await epoch.batches.aclose()
-                raise
-        return pack_batch(batch)
-
-    async def epochs_close(self, token: int) -> None:
-        """Drop an epoch iterator the client stopped using."""
-        epoch = self._epochs.pop(token, None)
-        if epoch is not None:
-            async with epoch.lock:
-                await epoch.batches.aclose()
-
-    async def shutdown(self) -> None:
-        """Close every epoch iterator and the buffer (after a checkpoint in flight is written)."""
-        epochs, self._epochs = self._epochs, {}
-        for token in list(epochs):
-            epoch = epochs[token]
-            async with epoch.lock:
-                await epoch.batches.aclose()
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            await buffer.close()
-
-
-_RemoteBufferActor = ray.remote(_BufferActor)
-
-
-# --------------------------------------------------------------------------------- the client
 def _rebuild(
     actor: ActorHandle, device: str, name: str | None, closed: bool
 ) -> RemoteEpisodeReplayBuffer:
@@ -400,7 +102,7 @@ class RemoteEpisodeReplayBuffer:
             if value is not None:
                 options[key] = value
         options.update(actor_options or {})
-        actor = _RemoteBufferActor.options(**options).remote()
+        actor = RemoteBufferActor.options(**options).remote()
         kwargs = {"max_steps": max_steps, **buffer_kwargs}
         if max_episodes is not None:  # unset: open() takes a checkpoint's max_episodes as is
             kwargs["max_episodes"] = max_episodes
@@ -489,7 +191,7 @@ class RemoteEpisodeReplayBuffer:
             raise
         except RayTaskError as error:
             cause = error.cause
-            if isinstance(cause, _PortableError):
+            if isinstance(cause, PortableError):
                 cause = cause.rebuild()
             if isinstance(cause, BufferClosedError):
                 raise BufferClosedError(
@@ -510,10 +212,10 @@ class RemoteEpisodeReplayBuffer:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one buffer method in the actor: arguments packed there, results unpacked here."""
         self._check_usable(method)
-        packed_args = tuple(_pack_value(a) for a in args)
-        packed_kwargs = {k: _pack_value(v) for k, v in kwargs.items()}
+        packed_args = tuple(pack_value(a) for a in args)
+        packed_kwargs = {k: pack_value(v) for k, v in kwargs.items()}
         ref = self._actor.call.remote((method, packed_args, packed_kwargs))
-        return _unpack_result(await self._await(method, ref), self._device)
+        return unpack_result(await self._await(method, ref), self._device)
 
     # ----------------------------------------------------------------- writes
     async def start_episode(self, agent_id: str = "default") -> int:

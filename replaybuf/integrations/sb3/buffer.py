@@ -1,63 +1,26 @@
-"""stable-baselines3: ``SB3ReplayBuffer``, a ``replay_buffer_class`` for DQN, SAC, TD3 and DDPG.
-
-Pass it as ``DQN(..., replay_buffer_class=SB3ReplayBuffer)``; options go in
-``replay_buffer_kwargs``. SB3 calls ``add(obs, next_obs, action, reward, done, infos)`` once
-per vectorized step and ``sample(batch_size, env)`` per gradient step, and gets the same
-``ReplayBufferSamples`` (shapes, dtypes, device) as from its own ``ReplayBuffer`` (or, with
-``n_steps > 1``, its ``NStepReplayBuffer``).
-
-How SB3's calls map onto episodes. Each environment index has one episode in progress in a
-:class:`replaybuf.SyncEpisodeReplayBuffer`; ``add`` appends ``(obs[i], action[i], reward[i])``
-to it, and when ``done[i]`` ends it with ``final_observation=next_obs[i]`` (SB3 puts the real
-terminal observation there) as ``truncated`` if ``infos[i]["TimeLimit.truncated"]`` and
-``handle_timeout_termination``, else ``terminated``. Each observation is stored once: step t's
-next observation is the row of step t+1, so ``next_obs`` is not stored again (only final
-observations take a row of their own).
-
-A step's next observation only exists in storage once the next ``add`` appends it, so the latest
-transition of each environment is held aside (``n_envs`` transitions, a few rows of RAM) and
-sampled from there: ``sample`` draws uniformly over exactly the transitions SB3's buffer would
-hold, newest included. If ``obs[i]`` is not (bit for bit) the ``next_obs[i]`` of the previous
-``add`` without a ``done`` in between (a reset between two ``learn`` calls, a wrapper that edits
-observations), the episode is ended as ``truncated`` at that ``next_obs`` and a new one begins,
-so every transition comes back exactly as it was added.
-
-Differences from SB3's ``ReplayBuffer``, all documented on :class:`SB3ReplayBuffer`: eviction
-removes whole oldest episodes rather than single oldest rows of a ring; ``optimize_memory_usage``
-is refused (never needed: next observations are never copied); the buffer is not picklable
-(``save_replay_buffer``); there are no ``observations``/``actions``/... arrays to read.
-
-Needs the ``sb3`` extra: ``pip install 'replaybuf[sb3]'``.
-"""
+"""``SB3ReplayBuffer``: SB3's replay buffer contract on a replaybuf episode buffer (see
+:mod:`replaybuf.integrations.sb3` for how SB3's calls map onto episodes)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-
-try:
-    from gymnasium import spaces
-    from stable_baselines3.common.buffers import ReplayBuffer as _SB3ReplayBuffer
-    from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
-    from stable_baselines3.common.type_aliases import ReplayBufferSamples
-    from stable_baselines3.common.utils import get_device
-    from stable_baselines3.common.vec_env import VecNormalize
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "replaybuf.integrations.sb3 needs stable-baselines3: pip install 'replaybuf[sb3]'"
-    ) from exc
+from gymnasium import spaces
+from stable_baselines3.common.buffers import ReplayBuffer as _SB3ReplayBuffer
+from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.utils import get_device
+from stable_baselines3.common.vec_env import VecNormalize
 
 from replaybuf.args import check_gamma, int_at_least, positive_int
 from replaybuf.buffers import SyncEpisodeReplayBuffer
-from replaybuf.errors import BufferClosedError, EmptyBufferError, SchemaError
-
-__all__ = ["SB3ReplayBuffer"]
-
-_NUMERIC_KINDS = "biuf"  # bool, signed, unsigned, float
+from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.integrations.sb3 import checks
+from replaybuf.integrations.sb3.held import HeldAside
+from replaybuf.integrations.sb3.samples import interleave, stored_fields
 
 
 class SB3ReplayBuffer(_SB3ReplayBuffer):
@@ -141,23 +104,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # observation and other arrays this class exists not to have. Its attributes are set here.
         buffer_size = positive_int(buffer_size, "buffer_size")
         n_envs = positive_int(n_envs, "n_envs")
-        if isinstance(observation_space, spaces.Dict):
-            raise TypeError(
-                "observation_space: Dict spaces are not supported by SB3ReplayBuffer "
-                "(SB3 uses its DictReplayBuffer for them)"
-            )
-        if not isinstance(observation_space, spaces.Space) or not isinstance(
-            action_space, spaces.Space
-        ):
-            raise TypeError(
-                "observation_space and action_space must be gymnasium spaces, got "
-                f"{type(observation_space).__name__} and {type(action_space).__name__}"
-            )
-        if optimize_memory_usage:
-            raise ValueError(
-                "optimize_memory_usage=True is not supported and not needed: SB3ReplayBuffer "
-                "stores each observation once already (leave it False)"
-            )
+        checks.check_spaces(observation_space, action_space, optimize_memory_usage)
         self.observation_space = observation_space
         self.action_space = action_space
         self.obs_shape = tuple(get_obs_shape(observation_space))  # type: ignore[arg-type]
@@ -205,15 +152,14 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._reset_state()
 
     def _reset_state(self) -> None:
-        n, obs_shape = self.n_envs, self.obs_shape
+        """No episode in progress, nothing held aside, the counters at zero."""
+        n = self.n_envs
         self._episode: list[int | None] = [None] * n  # in-progress episode of each env
         self._length = [0] * n  # steps in that episode's current segment
         # The latest transition of each env, whose next observation is not in storage yet.
-        self._pending = [False] * n
-        self._pending_obs = np.zeros((n, *obs_shape), dtype=self._obs_dtype)
-        self._pending_next = np.zeros((n, *obs_shape), dtype=self._obs_dtype)
-        self._pending_action = np.zeros((n, self.action_dim), dtype=self._action_dtype)
-        self._pending_reward = np.zeros(n, dtype=np.float32)
+        self._held = HeldAside(
+            n, self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype
+        )
         self._adds = 0
         self._discontinuities = 0
         self._segments_split = 0
@@ -237,7 +183,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     @property
     def transitions(self) -> int:
         """Transitions ``sample`` draws from (stored steps, the newest of each env included)."""
-        return len(self._buffer) + sum(self._pending)
+        return len(self._buffer) + self._held.count
 
     @property
     def episode_buffer(self) -> SyncEpisodeReplayBuffer:
@@ -254,7 +200,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             **self._buffer.stats(),
             "transitions": self.transitions,
             "adds": self._adds,
-            "held_aside": sum(self._pending),
+            "held_aside": self._held.count,
             "discontinuities": self._discontinuities,
             "segments_split": self._segments_split,
         }
@@ -273,27 +219,23 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
         error (``SchemaError`` naming the argument) the buffer is unchanged."""
         self._check_open()
-        obs = self._observations(obs, "obs")
-        next_obs = self._observations(next_obs, "next_obs")
-        action = self._actions(action)
-        reward = self._per_env(reward, "reward").astype(np.float32)
-        done = self._per_env(done, "done") != 0
-        truncated = self._timeouts(infos)
+        space, n = self.observation_space, self.n_envs
+        shape, dtype = self.obs_shape, self._obs_dtype
+        obs = checks.observations(obs, "obs", space, n, shape, dtype)
+        next_obs = checks.observations(next_obs, "next_obs", space, n, shape, dtype)
+        action = checks.actions(action, n, self.action_dim, self._action_dtype)
+        reward = checks.per_env(reward, "reward", n).astype(np.float32)
+        done = checks.per_env(done, "done", n) != 0
+        truncated = checks.timeouts(infos, n, self.handle_timeout_termination)
 
-        buf = self._buffer
-        n = self.n_envs
-        pending, length, seg = self._pending, self._length, self.segment_steps
+        buf, held = self._buffer, self._held
+        pending, length, seg = held.pending, self._length, self.segment_steps
         # An episode continues only from the observation its last step led to (bit for bit),
         # and a segment holds at most segment_steps steps; otherwise it ends (truncated) there.
-        if all(pending) and _same_bits(obs, self._pending_next):
-            jumped = []
-        else:
-            jumped = [
-                i for i in range(n) if pending[i] and not _same_bits(obs[i], self._pending_next[i])
-            ]
+        jumped = held.jumped(obs)
         full = [i for i in range(n) if pending[i] and length[i] >= seg and i not in jumped]
         for i in jumped + full:
-            buf.end_episode(self._episode[i], "truncated", torch.from_numpy(self._pending_next[i]))
+            buf.end_episode(self._episode[i], "truncated", torch.from_numpy(held.next_obs[i]))
             self._episode[i] = None
         self._discontinuities += len(jumped)
         self._segments_split += len(full)
@@ -314,76 +256,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 buf.end_episode(ids[i], status, torch.from_numpy(next_obs[i]))
                 self._episode[i] = None
         # Each env's newest transition, held aside until the next add stores its next obs.
-        if not any(ended):
-            np.copyto(self._pending_obs, obs)
-            np.copyto(self._pending_next, next_obs)
-            np.copyto(self._pending_action, action)
-            np.copyto(self._pending_reward, reward)
-        else:
-            keep = ~done
-            self._pending_obs[keep] = obs[keep]
-            self._pending_next[keep] = next_obs[keep]
-            self._pending_action[keep] = action[keep]
-            self._pending_reward[keep] = reward[keep]
+        held.keep(obs, next_obs, action, reward, done)
         self._adds += 1
-
-    def _observations(self, value: Any, name: str) -> np.ndarray:
-        array = self._numeric(value, name, self._obs_dtype, "the observation space's")
-        want = (self.n_envs, *self.obs_shape)
-        if isinstance(self.observation_space, spaces.Discrete) and array.shape == (self.n_envs,):
-            array = array.reshape(want)  # SB3 reshapes discrete observations the same way
-        if array.shape != want:
-            raise SchemaError(
-                f"add: field {name!r} expected shape {list(want)} (n_envs, *observation shape), "
-                f"got {list(array.shape)}"
-            )
-        return np.ascontiguousarray(array)
-
-    def _actions(self, value: Any) -> np.ndarray:
-        array = self._numeric(value, "action", self._action_dtype, "the action space's")
-        n = self.n_envs
-        if array.ndim == 0 or array.shape[0] != n or array.size != n * self.action_dim:
-            raise SchemaError(
-                f"add: field 'action' expected shape [{n}, {self.action_dim}] "
-                f"(n_envs, action_dim), got {list(array.shape)}"
-            )
-        return np.ascontiguousarray(array.reshape(n, self.action_dim))
-
-    def _per_env(self, value: Any, name: str) -> np.ndarray:
-        array = self._numeric(value, name, None, "")
-        if array.shape != (self.n_envs,):
-            raise SchemaError(
-                f"add: field {name!r} expected shape [{self.n_envs}] (n_envs), "
-                f"got {list(array.shape)}"
-            )
-        return array
-
-    @staticmethod
-    def _numeric(value: Any, name: str, dtype: np.dtype | None, whose: str) -> np.ndarray:
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
-        array = np.asarray(value)
-        if array.dtype.kind not in _NUMERIC_KINDS:
-            raise SchemaError(f"add: field {name!r} expected numbers, got dtype {array.dtype}")
-        if dtype is None or array.dtype == dtype:
-            return array
-        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
-            raise SchemaError(
-                f"add: field {name!r} expected dtype {dtype} ({whose}), got {array.dtype}, "
-                "which does not cast to it safely"
-            )
-        return array.astype(dtype)
-
-    def _timeouts(self, infos: Any) -> np.ndarray:
-        if not self.handle_timeout_termination:
-            return np.zeros(self.n_envs, dtype=bool)
-        if not isinstance(infos, Sequence) or len(infos) != self.n_envs:
-            got = len(infos) if isinstance(infos, Sequence) else type(infos).__name__
-            raise SchemaError(f"add: field 'infos' expected {self.n_envs} dicts, got {got}")
-        for info in infos:
-            if not isinstance(info, Mapping):
-                raise SchemaError(f"add: field 'infos' expected dicts, got {type(info).__name__}")
-        return np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
 
     # ----------------------------------------------------------------- sampling
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
@@ -402,7 +276,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
         stored = len(self._buffer)
-        held = np.array([i for i, p in enumerate(self._pending) if p], dtype=np.int64)
+        held = self._held.envs()
         total = stored + held.shape[0]
         if total == 0:
             raise EmptyBufferError("cannot sample: the buffer holds no transition yet")
@@ -411,64 +285,16 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         n_aside = int(aside.sum())
         parts: list[dict[str, torch.Tensor]] = []
         if n_aside < batch_size:
-            parts.append(self._stored_part(batch_size - n_aside))
+            count = batch_size - n_aside
+            parts.append(
+                stored_fields(
+                    self._buffer, count, self.n_steps, self.gamma, self._held, self._episode
+                )
+            )
         if n_aside:
-            parts.append(self._held_part(held[(pick[aside] - stored).numpy()]))
-        fields = parts[0] if len(parts) == 1 else _interleave(parts, aside)
+            parts.append(self._held.fields(held[(pick[aside] - stored).numpy()]))
+        fields = parts[0] if len(parts) == 1 else interleave(parts, aside)
         return self._samples(fields, env, multi)
-
-    def _stored_part(self, count: int) -> dict[str, torch.Tensor]:
-        batch = self._buffer.sample_n_step(count, n=self.n_steps, gamma=self.gamma)
-        obs = batch.get("observation")
-        fields = {
-            "obs": obs,
-            "action": batch.get("action"),
-            "next_obs": batch.get("next_observation"),
-            "done": batch.get("terminal"),
-            "reward": batch.get("reward"),
-            "steps": batch.get("actual_n"),
-        }
-        if self.n_steps > 1:
-            self._finish_cut_windows(fields, batch.get("cut"), batch.get("episode_id"))
-        return fields
-
-    def _finish_cut_windows(
-        self, fields: dict[str, torch.Tensor], cut: torch.Tensor, episode_id: torch.Tensor
-    ) -> None:
-        """A window cut short at an episode's newest stored observation continues, as in SB3,
-        with that env's held-aside transition (SB3 ends it there: its next observation is
-        known, the one after it not yet)."""
-        if not bool(cut.any()):
-            return
-        envs = [i for i in range(self.n_envs) if self._pending[i]]
-        if not envs:
-            return
-        device = cut.device
-        ids = torch.tensor([self._episode[i] for i in envs], device=device)
-        match = episode_id.unsqueeze(1) == ids.unsqueeze(0)  # [B, envs]
-        extend = cut & match.any(1)
-        rows = torch.nonzero(extend).squeeze(1)
-        if rows.numel() == 0:
-            return
-        env = torch.tensor(envs)[match[rows].float().argmax(1).cpu()].numpy()
-        steps = fields["steps"]
-        scale = self.gamma ** steps[rows].to(torch.float64)
-        add = torch.from_numpy(self._pending_reward[env]).to(device, torch.float64) * scale
-        reward = fields["reward"]
-        reward[rows] = (reward[rows].to(torch.float64) + add).to(reward.dtype)
-        fields["next_obs"][rows] = torch.from_numpy(self._pending_next[env]).to(device)
-        steps[rows] += 1
-
-    def _held_part(self, envs: np.ndarray) -> dict[str, torch.Tensor]:
-        count = envs.shape[0]
-        return {
-            "obs": torch.from_numpy(self._pending_obs[envs]),
-            "action": torch.from_numpy(self._pending_action[envs]),
-            "next_obs": torch.from_numpy(self._pending_next[envs]),
-            "done": torch.zeros(count, dtype=torch.bool),
-            "reward": torch.from_numpy(self._pending_reward[envs]),
-            "steps": torch.ones(count, dtype=torch.long),
-        }
 
     def _samples(
         self, fields: dict[str, torch.Tensor], env: VecNormalize | None, multi: bool
@@ -534,26 +360,3 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             "SB3ReplayBuffer cannot be pickled (model.save_replay_buffer): its rows live in "
             "replaybuf storage, and no save/load of the adapter exists yet"
         )
-
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays of one dtype and shape hold the same bytes (NaN equals itself)."""
-    return a.tobytes() == b.tobytes()
-
-
-def _interleave(
-    parts: list[dict[str, torch.Tensor]], aside: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """Stored samples where ``aside`` is False and held-aside ones where it is True, in order."""
-    stored, held = parts
-    out = {}
-    for name, first in stored.items():
-        second = held[name].to(first.device)
-        merged = torch.empty(
-            (aside.shape[0], *first.shape[1:]), dtype=first.dtype, device=first.device
-        )
-        mask = aside.to(first.device)
-        merged[~mask] = first
-        merged[mask] = second.to(first.dtype)
-        out[name] = merged
-    return out

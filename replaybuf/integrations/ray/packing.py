@@ -1,0 +1,141 @@
+"""Tensors and TensorDicts in transit to and from the Ray buffer actor, as numpy arrays.
+
+Ray serializes numpy arrays out of band (one object in the shared-memory object store, mapped
+by a reader on the same node), where ``torch``'s pickler would copy each storage into a bytes
+object. The actor's arguments and results pass through :func:`pack_value` /
+:func:`unpack_value` and :func:`pack_result` / :func:`unpack_result`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from replaybuf.storage import resolve_device
+
+# Integer dtypes of each element size: numpy has no bfloat16 / float8, so those travel as bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_READ_ONLY = "The given NumPy array is not writable"
+
+
+@dataclass(frozen=True)
+class PackedArray:
+    """One tensor in transit: a numpy array Ray moves zero-copy, and the torch dtype it holds."""
+
+    array: np.ndarray
+    dtype: str  # torch dtype name ("float32", "bfloat16", ...); the array may hold its bits
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A TensorDict in transit: its batch size and its leaves, by nested key, flat."""
+
+    batch_size: tuple[int, ...]
+    leaves: tuple[tuple[tuple[str, ...], PackedArray], ...]
+
+
+def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
+    """A tensor as a CPU numpy array (shared with the tensor when it is already one)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"{name}: only dense tensors can be sent to a Ray buffer, got {tensor!r}")
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    try:
+        array = tensor.numpy()
+    except TypeError:  # no numpy dtype (bfloat16, float8, complex32): send the bits
+        array = tensor.view(_BITS[tensor.element_size()]).numpy()
+    return PackedArray(array, dtype)
+
+
+def _unpack_tensor(packed: PackedArray, device: torch.device, copy: bool) -> torch.Tensor:
+    """The tensor of a :class:`PackedArray` on ``device``; ``copy`` makes it writable memory."""
+    dtype = getattr(torch, packed.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"packed array: unknown torch dtype {packed.dtype!r}")
+    array = packed.array
+    if copy and device.type == "cpu" and not array.flags.writeable:
+        array = array.copy()  # numpy's copy: cheaper here than a fresh torch clone
+    with warnings.catch_warnings():  # arrays from Ray's object store are read-only views
+        warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)
+        tensor = torch.from_numpy(array)
+    if tensor.dtype != dtype:
+        tensor = tensor.view(dtype)
+    return tensor if device.type == "cpu" else tensor.to(device)  # the H2D copy is the copy
+
+
+def pack_batch(batch: TensorDictBase) -> PackedBatch:
+    """A TensorDict as numpy leaves, so Ray moves it without pickling tensors one by one."""
+    if not isinstance(batch, TensorDictBase):
+        raise TypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
+    leaves = []
+    for key, value in batch.items(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch: field {'.'.join(key)!r} is not a tensor ({value!r})")
+        leaves.append((key, _pack_tensor(value, ".".join(key))))
+    return PackedBatch(tuple(batch.batch_size), tuple(leaves))
+
+
+def unpack_batch(
+    packed: PackedBatch, device: torch.device | str = "cpu", *, copy: bool = True
+) -> TensorDict:
+    """The TensorDict of :func:`pack_batch` on ``device``.
+
+    With ``copy`` (the default) every tensor owns writable memory; ``copy=False`` keeps CPU
+    tensors as views of the received arrays, read-only when they sit in Ray's object store.
+    """
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
+    device = resolve_device(device, "device")
+    td = TensorDict({}, batch_size=list(packed.batch_size), device=device)
+    for key, leaf in packed.leaves:
+        td.set(key, _unpack_tensor(leaf, device, copy))
+    return td
+
+
+def pack_value(value: Any) -> Any:
+    """An argument for the actor: tensors and numeric arrays (also inside dicts) packed."""
+    if isinstance(value, TensorDictBase):
+        return pack_batch(value)
+    if isinstance(value, torch.Tensor):
+        return _pack_tensor(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return _pack_tensor(torch.from_numpy(np.ascontiguousarray(value)))
+    if type(value) is dict:
+        return {k: pack_value(v) for k, v in value.items()}
+    return value  # numbers, ids, strings and anything the buffer itself will judge
+
+
+def unpack_value(value: Any) -> Any:
+    """An argument as the buffer expects it; no copy: the buffer copies what it stores."""
+    cpu = torch.device("cpu")
+    if isinstance(value, PackedBatch):
+        return unpack_batch(value, cpu, copy=False)
+    if isinstance(value, PackedArray):
+        return _unpack_tensor(value, cpu, copy=False)
+    if type(value) is dict:
+        return {k: unpack_value(v) for k, v in value.items()}
+    return value
+
+
+def pack_result(value: Any) -> Any:
+    """A result for the client: TensorDicts (also in a list) packed, the rest as is."""
+    if isinstance(value, TensorDictBase):
+        return pack_batch(value)
+    if isinstance(value, list):
+        return [pack_result(v) for v in value]
+    return value
+
+
+def unpack_result(value: Any, device: torch.device) -> Any:
+    """A result as the local buffer would return it, batches rebuilt on ``device``."""
+    if isinstance(value, PackedBatch):
+        return unpack_batch(value, device)
+    if isinstance(value, list):
+        return [unpack_result(v, device) for v in value]
+    return value
