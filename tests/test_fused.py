@@ -165,11 +165,11 @@ def compare_sequences(
     with torch_ops():
         qualify = full_sequence_starts(core.anchors.snapshot(), length, core.links.succ)
     if strict and not qualify.any():
-        before = buf._device_draws()
+        before = buf._draws.state_dict()
         for switch in (contextlib.nullcontext(), torch_ops()):
             with switch, pytest.raises(EmptyBufferError, match="consecutive steps"):
                 draw_sequences(core, batch, length, True, generator(device), draw)
-        assert buf._device_draws() == before  # nothing drawn
+        assert buf._draws.state_dict() == before  # nothing drawn
         return []
     with Counting(sequence_walk, "_sequence_kernel") as calls:
         start, weight, walk = draw_sequences(core, batch, length, strict, generator(device), draw)

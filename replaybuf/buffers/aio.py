@@ -398,6 +398,17 @@ class EpisodeReplayBuffer:
         sync = await asyncio.to_thread(SyncEpisodeReplayBuffer.open, directory, **kwargs)
         return cls._wrap(sync)
 
+    async def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """See :meth:`SyncEpisodeReplayBuffer.state_dict` (taken under the lock: one instant)."""
+        return await self._call(self._sync.state_dict, copy=copy)
+
+    async def load_state_dict(self, state: Any) -> None:
+        """See :meth:`SyncEpisodeReplayBuffer.load_state_dict`; waits for a checkpoint in flight
+        (its pinned rows belong to the storage the state replaces)."""
+        async with self._saving:
+            await self._idle.wait()
+            await self._call(self._sync.load_state_dict, state)
+
     async def save(self, path: str | os.PathLike) -> None:
         await self._call(self._sync.save, path)
 

@@ -9,6 +9,7 @@ buffer unchanged, under the buffer's lock, so threads may share it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -28,6 +29,8 @@ from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.persist import episodes as episode_checkpoint
 from replaybuf.persist import metadata
+from replaybuf.persist.episodes import EpisodeParts
+from replaybuf.persist.state import source_of
 from replaybuf.priority import (
     Prioritizer,
     check_beta,
@@ -117,9 +120,7 @@ class SyncEpisodeReplayBuffer:
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
     ) -> None:
-        self._lock = (
-            threading.RLock()
-        )  # every public call runs under it (replaybuf.buffers.locking)
+        self._lock = threading.RLock()  # every public call runs under it (buffers.locking)
         self.max_steps = positive_int(max_steps, "max_steps")
         self.frame_stack, self.frame_stack_padding = check_frame_stack(
             frame_stack, frame_stack_padding
@@ -132,19 +133,9 @@ class SyncEpisodeReplayBuffer:
         self.storing_device = resolve_device(storing_device, "storing_device")
         kind = resolve_kind(storage, self.storing_device)
         seed = None if seed is None else int_at_least(seed, "seed", 0)
-        rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
-        priorities = (
-            Prioritizer(rows, self.storing_device, alpha, beta, eps, priority_backend)
-            if prioritized
-            else None
-        )
-        slots = SlotStorage(
-            rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
-        )
-        self._core = EpisodeCore(
-            slots, self.max_steps, self.max_episodes, self.frame_stack, self.frame_stack_padding
-        )
-        self._core.priorities = priorities
+        self._storage = (kind, scratch_dir)  # what a fresh core's storage is made of
+        self._priority = (alpha, beta, eps, priority_backend) if prioritized else None
+        self._core = self._new_core()
         self._generator = torch.Generator(device=self.storing_device)
         if seed is None:
             self._generator.seed()
@@ -155,6 +146,23 @@ class SyncEpisodeReplayBuffer:
         # The device draws (CUDA storage): a key from the seed, apart from the generator's.
         self._draws = DeviceDraws(self.storing_device, seed_key(seed))
         self._paths: Paths | None = None  # how batches are built, chosen on first use
+
+    def _new_core(self) -> EpisodeCore:
+        """An empty episode core of this buffer's configuration (storage, priorities)."""
+        kind, scratch_dir = self._storage
+        rows = self.max_steps + final_rows_for(self.max_steps, self.max_episodes)
+        priorities = None
+        if self._priority is not None:
+            alpha, beta, eps, backend = self._priority
+            priorities = Prioritizer(rows, self.storing_device, alpha, beta, eps, backend)
+        slots = SlotStorage(
+            rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
+        )
+        core = EpisodeCore(
+            slots, self.max_steps, self.max_episodes, self.frame_stack, self.frame_stack_padding
+        )
+        core.priorities = priorities
+        return core
 
     # ----------------------------------------------------------------- properties
     @property
@@ -509,6 +517,70 @@ class SyncEpisodeReplayBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ----------------------------------------------------------------- state
+    def _parts(self, core: EpisodeCore | None = None) -> EpisodeParts:
+        """This buffer's configuration and components (with ``core`` instead of its own)."""
+        return EpisodeParts(
+            self.max_steps,
+            self.max_episodes,
+            self.min_steps,
+            self.frame_stack,
+            self.frame_stack_padding,
+            self.device,
+            self.storing_device,
+            self._core if core is None else core,
+            self._generator,
+            self._draws,
+        )
+
+    @synchronized
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """The whole buffer in memory, as a checkpoint holds it (RLlib's ``get_state``).
+
+        ``{"kind": "EpisodeReplayBuffer", "meta": {...}, "tensors": {...}}``: stored rows,
+        episodes (in progress too), row links, anchors, free rows, priorities, counters,
+        config and sampler state, under the names a checkpoint gives them. ``copy=False``
+        hands out the stored rows by reference (views that later writes change).
+        """
+        self._check_open()
+        return episode_checkpoint.compose(self._parts(), copy)
+
+    @synchronized
+    @NORMAL_TENSORS
+    def load_state_dict(self, state: Any) -> None:
+        """Replace this buffer's contents by ``state`` (a :meth:`state_dict` of a buffer with
+        the same ``max_steps``, ``max_episodes``, frame stacking and prioritization; RLlib's
+        ``set_state``): episodes in progress continue, sampling draws what that buffer would.
+
+        Everything is checked first, and the state is restored into fresh storage that
+        replaces this buffer's only once it is complete: on any error, which names the field,
+        the buffer is left as it was.
+        """
+        self._check_open()
+        source = source_of(state, episode_checkpoint.KIND)
+        where = f"checkpoint {str(source.directory)!r}"
+        saved = episode_checkpoint.check(source, where)
+        episode_checkpoint.check_fits(saved, self._parts(), where)
+        core = self._core
+        pristine = core.allocations == 0 and core.next_id == 0 and not core.episodes
+        if not pristine:
+            core = self._new_core()
+        generator = torch.Generator(device=self.storing_device)
+        draws = DeviceDraws(self.storing_device, self._draws.seed)
+        parts = dataclasses.replace(self._parts(core), generator=generator, draws=draws)
+        try:
+            episode_checkpoint.restore(parts, saved, source)
+        except BaseException:
+            core.slots.close()
+            if pristine:  # as it was: empty, with storage of its own
+                self._core = self._new_core()
+            raise
+        if not pristine:
+            self._core.slots.close()
+        self._draws.clear()
+        self._core, self._generator, self._draws = core, generator, draws
+        self._paths = None
+
     # ----------------------------------------------------------------- checkpoints
     @synchronized
     def save_checkpoint(
@@ -519,15 +591,16 @@ class SyncEpisodeReplayBuffer:
         Replaces the checkpoint at ``directory`` (default: the one :meth:`open` was given);
         ``durable=False`` skips fsync: safe against a killed process, not against power loss.
         """
-        target, snap = self.begin_checkpoint(directory)
+        target, state = self.begin_checkpoint(directory)
         try:
-            return episode_checkpoint.write(target, snap, durable)
+            return episode_checkpoint.write(target, state, durable)
         finally:
             self.end_checkpoint()
 
     @synchronized
     def begin_checkpoint(self, directory: str | os.PathLike | None) -> tuple[Path, Any]:
-        """Pin the rows and copy the index state; :meth:`end_checkpoint` must follow."""
+        """Pin the rows and take the state (index copies, row views) a checkpoint writes;
+        :meth:`end_checkpoint` must follow once it is written."""
         self._check_open()
         target = self._home if directory is None else Path(directory)
         if target is None:
@@ -536,7 +609,7 @@ class SyncEpisodeReplayBuffer:
             )
         self._core.pin()
         try:
-            return target, episode_checkpoint.snapshot(self)
+            return target, self.state_dict(copy=False)
         except BaseException:
             self._core.unpin()
             raise

@@ -28,6 +28,8 @@ from replaybuf.core import epoch_batches, num_batches
 from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
 from replaybuf.persist import metadata
 from replaybuf.persist import ring as buffer_checkpoint
+from replaybuf.persist.ring import RingParts
+from replaybuf.persist.state import source_of
 from replaybuf.priority import (
     Prioritizer,
     check_beta,
@@ -605,6 +607,64 @@ class ReplayBuffer:
         if spec is not None:
             self._slots.prepare(spec)
         return document
+
+    # ----------------------------------------------------------------- state
+    def _parts(self) -> RingParts:
+        """This buffer's configuration and components, for its state and checkpoints."""
+        return RingParts(
+            self.buffer_size,
+            self.storage_kind,
+            self.device,
+            self.storing_device,
+            self.print_gc_warning,
+            self._slots,
+            self._priorities,
+            self._generator,
+            self._size,
+            self._pointer,
+            self._writes,
+        )
+
+    @synchronized
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """The whole buffer in memory, as a checkpoint holds it (RLlib's ``get_state``).
+
+        ``{"kind": "ReplayBuffer", "meta": {...}, "tensors": {...}}``: rows, ring state, spec,
+        config, priorities and the sampler's generator state, under the names a checkpoint
+        gives them. ``copy=False`` hands out the stored rows by reference (views that later
+        writes change) instead of copies.
+        """
+        self._check_open()
+        return buffer_checkpoint.compose(self._parts(), copy)
+
+    @synchronized
+    @NORMAL_TENSORS
+    def load_state_dict(self, state: Any) -> None:
+        """Replace this buffer's contents by ``state`` (a :meth:`state_dict`, from a buffer of
+        the same ``buffer_size`` and prioritization; RLlib's ``set_state``): rows, ring state,
+        priorities and sampler state, so sampling goes on where that buffer's would.
+
+        Everything is checked first (as a checkpoint load checks it); on a bad state the
+        error names the field and this buffer is left as it was.
+        """
+        self._check_open()
+        source = source_of(state, buffer_checkpoint.KIND)
+        saved = buffer_checkpoint.check(source)
+        buffer_checkpoint.check_fits(saved, source, self._parts())
+        if self._declared is not None and saved.spec != self._declared:
+            raise MetadataError(
+                f"spec: state has {saved.spec}, this buffer declared {self._declared}"
+            )
+        self._slots.reset()
+        if self._priorities is not None:
+            p = self._priorities
+            self._priorities = Prioritizer(
+                self.buffer_size, self.storing_device, p.alpha, p.beta, p.eps, p.backend
+            )
+        buffer_checkpoint.restore(self._parts(), saved, source)
+        self._size, self._pointer, self._writes = saved.size, saved.pointer, saved.writes
+        self._iterator = None
+        self._resets += 1  # an epoch iterator planned before must not serve the new rows
 
     # ----------------------------------------------------------------- checkpoints
     @synchronized

@@ -173,6 +173,15 @@ class AnchorSet:
         """A copy of the rows in the set now, where draws read them."""
         return self.rows[: self.count].clone()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The rows in the set, in their packed order (which seeded draws follow)."""
+        return {"rows": self.snapshot()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Hold exactly ``state``'s rows, in its order (distinct rows, checked by the caller)."""
+        self.remove(self._rows[: self.count].clone())
+        self.add(state["rows"].cpu())
+
 
 def _host(rows: Rows) -> np.ndarray:
     """``rows`` as a numpy array (a view of a CPU tensor)."""

@@ -22,6 +22,9 @@ from replaybuf.storage import DeviceMirror, free_bytes
 _CPU = torch.device("cpu")  # host bookkeeping lives here, whatever torch's default device
 
 
+SAVED = ("next_row", "episode", "step", "end_kind", "alloc")  # what a state holds
+
+
 class HostLinks(NamedTuple):
     """numpy views of :class:`RowLinks` columns on the host (``RowLinks.host`` on the CPU)."""
 
@@ -285,8 +288,13 @@ class RowLinks:
             self._jumps, self._jumps_version = [], self.version
         return jump_tables(self.succ, levels, self._jumps)
 
-    def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        """Set columns from a checkpoint (host tensors of the saved names), then recompute
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the columns a checkpoint keeps (:data:`SAVED`; ``succ`` and ``prev_row``
+        follow from ``next_row``), on the CPU."""
+        return {name: self._tensors[name].clone() for name in SAVED}  # type: ignore[union-attr]
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor]) -> None:
+        """Set the :data:`SAVED` columns (host tensors, checked by the caller), then recompute
         ``succ`` and ``prev_row`` from ``next_row``."""
         for name, value in saved.items():
             column = self._tensors[name]

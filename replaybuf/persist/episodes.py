@@ -28,20 +28,29 @@ before a buffer is created, and streams rows into fresh storage, verifying check
 from __future__ import annotations
 
 import hashlib
-import heapq
 import os
-from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
 
 from replaybuf.core import END_NONE
-from replaybuf.episodes import FRAME_PADDINGS, Episode
-from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
+from replaybuf.episodes import (
+    COUNTERS,
+    FRAME_PADDINGS,
+    SAVED,
+    EpisodeCore,
+    core_state,
+    restore_core,
+)
+from replaybuf.errors import (
+    CheckpointKindError,
+    CorruptCheckpointError,
+    MetadataError,
+    NoCheckpointError,
+)
 from replaybuf.persist.format import Checkpoint, read_checkpoint, write_checkpoint
 from replaybuf.persist.ring import (
     GENERATOR,
@@ -50,15 +59,15 @@ from replaybuf.persist.ring import (
     restore_generator,
     row_tensor_names,
 )
-from replaybuf.priority import Prioritizer
-from replaybuf.storage import FieldSpec, Key, key_name, nest
+from replaybuf.persist.state import StateSource, state_of
+from replaybuf.sampling import DeviceDraws
+from replaybuf.storage import FieldSpec, Key, key_name
 
 if TYPE_CHECKING:
     from replaybuf.buffers import SyncEpisodeReplayBuffer
-    from replaybuf.episodes import EpisodeCore
 
 KIND = "EpisodeReplayBuffer"
-LINKS = ("next_row", "episode", "step", "end_kind", "alloc")
+LINKS = SAVED  # the row links a state keeps (next_row, episode, step, end_kind, alloc)
 PRIORITY = "priority/weights"
 DRAWS = "sampler/device_draws"  # the device draws' key and round (replaybuf.accel.graphs)
 OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "min_steps", "priority_backend")
@@ -66,96 +75,83 @@ _STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
 
 
 @dataclass
-class Snapshot:
-    """What one checkpoint writes: meta and tensors (index copies plus row views)."""
+class EpisodeParts:
+    """A ``SyncEpisodeReplayBuffer``'s configuration and components, for its checkpoints."""
 
-    meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    max_steps: int
+    max_episodes: int | None
+    min_steps: int
+    frame_stack: int | None
+    frame_stack_padding: str
+    device: torch.device
+    storing_device: torch.device
+    core: EpisodeCore
+    generator: torch.Generator
+    draws: DeviceDraws
 
 
 # --------------------------------------------------------------------------------- saving
-def snapshot(buffer: SyncEpisodeReplayBuffer) -> Snapshot:
-    """Copy the index state now; rows stay views (the core must be pinned while they stream)."""
-    core = buffer._core
-    core.flush()
-    episodes = list(core.episodes.values())
-    owned = [[*e.rows, *([e.final_row] if e.final_row is not None else [])] for e in episodes]
-    flat = [row for rows in owned for row in rows]
-    high_water = max(flat) + 1 if flat else 0
-    zero_step = [e for e in episodes if e.final_observation is not None]
-    spec = core.slots.spec
+def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
+    """The buffer's ``state_dict()``: index state copied now, rows as views unless ``copy``
+    (a checkpoint streams them while the core is pinned)."""
+    core = core_state(parts.core)
+    storage, counters = core["storage"], core["counters"]
+    spec, first = storage["spec"], core["first_obs_spec"]
     tensors: dict[str, torch.Tensor] = {
-        GENERATOR: buffer._generator.get_state(),
-        DRAWS: torch.tensor(list(buffer._draws.state_dict().values()), dtype=torch.long),
-        "index/anchors": core.anchors.snapshot(),
-        "index/free": free_rows(core),
-        "index/episode_rows": torch.tensor(flat, dtype=torch.long),
+        GENERATOR: parts.generator.get_state(),
+        DRAWS: torch.tensor([parts.draws.seed, parts.draws.rounds()], dtype=torch.long),
+        "index/anchors": core["anchors"],
+        "index/free": core["free"],
+        "index/episode_rows": core["episode_rows"],
     }
     for name in LINKS:
-        tensors[f"links/{name}"] = core.links.saved(name).clone()
-    if core.priorities is not None:
-        tensors[PRIORITY] = core.priorities.tree.weights()
+        tensors[f"links/{name}"] = core["links"][name]
+    priorities = core["priorities"]
+    if priorities is not None:
+        tensors[PRIORITY] = priorities["weights"]
     if spec is not None:
         for key, name in row_tensor_names(spec).items():
-            if high_water:
-                tensors[name] = core.slots.column(key)[:high_water]  # a view, streamed later
-            else:  # no row stored (a restore of one then allocated no storage): none to save
-                tensors[name] = torch.empty((0, *spec[key].shape), dtype=spec[key].dtype)
-    obs_spec = _observation_spec(buffer)
-    for j, episode in enumerate(zero_step):
-        for i, key in enumerate(obs_spec or {}):
-            tensors[f"final/{j}/{i}"] = episode.final_observation.get(key).clone()
-    first = core._first_obs_spec
+            tensors[name] = storage["columns"][key]
+    for j, leaves in enumerate(core["finals"]):
+        for i, leaf in enumerate(leaves):
+            tensors[f"final/{j}/{i}"] = leaf
+    table = core["table"]
     meta = {
-        "max_steps": buffer.max_steps,
-        "max_episodes": buffer.max_episodes,
-        "min_steps": buffer.min_steps,
-        "frame_stack": buffer.frame_stack,
-        "frame_stack_padding": buffer.frame_stack_padding,
-        "rows": core.slots.capacity,
-        "storage": core.slots.kind,
-        "device": str(buffer.device),
-        "storing_device": str(buffer.storing_device),
-        "generator_device": buffer._generator.device.type,
-        "next_id": core.next_id,
-        "next_seq": core.next_seq,
-        "allocations": core.allocations,
-        **_priority_meta(core.priorities),
-        "steps": core.steps,
-        "valid_steps": core.valid_steps,
-        "evicted": core.evicted,
-        "high_water": high_water,
+        "max_steps": parts.max_steps,
+        "max_episodes": parts.max_episodes,
+        "min_steps": parts.min_steps,
+        "frame_stack": parts.frame_stack,
+        "frame_stack_padding": parts.frame_stack_padding,
+        "rows": parts.core.slots.capacity,
+        "storage": parts.core.slots.kind,
+        "device": str(parts.device),
+        "storing_device": str(parts.storing_device),
+        "generator_device": parts.generator.device.type,
+        "next_id": counters["next_id"],
+        "next_seq": counters["next_seq"],
+        "allocations": counters["allocations"],
+        **_priority_meta(priorities),
+        "steps": counters["steps"],
+        "valid_steps": counters["valid_steps"],
+        "evicted": counters["evicted"],
+        "high_water": core["high_water"],
         "spec": None if spec is None else spec.to_json(),
         "first_obs_spec": None if first is None else first.to_json(),
-        "episodes": [
-            [e.episode_id, e.agent_id, e.seq, e.end_kind, e.steps, e.final_row is not None]
-            for e in episodes
-        ],
-        "episodes_by_status": {s: sum(e.status == s for e in episodes) for s in _STATUS.values()},
+        "episodes": table,
+        "episodes_by_status": {s: sum(_STATUS[e[3]] == s for e in table) for s in _STATUS.values()},
     }
-    return Snapshot(meta, tensors)
+    return state_of(KIND, meta, tensors, copy)
 
 
-def _priority_meta(priorities: Prioritizer | None) -> dict[str, Any]:
+def _priority_meta(priorities: dict[str, Any] | None) -> dict[str, Any]:
     if priorities is None:
         return {"prioritized": False}
-    return {
-        "prioritized": True,
-        "alpha": priorities.alpha,
-        "beta": priorities.beta,
-        "eps": priorities.eps,
-    }
+    return {"prioritized": True, **{k: priorities[k] for k in ("alpha", "beta", "eps")}}
 
 
-def write(directory: str | os.PathLike[str], snap: Snapshot, durable: bool) -> Path:
-    return write_checkpoint(directory, KIND, snap.meta, snap.tensors, durable=durable)
-
-
-def _observation_spec(buffer: SyncEpisodeReplayBuffer) -> FieldSpec | None:
-    spec = buffer._core.slots.spec
-    if spec is not None:
-        return FieldSpec({k: f for k, f in spec.items() if k[0] == "observation"})
-    return buffer._core._first_obs_spec
+def write(directory: str | os.PathLike[str], state: dict[str, Any], durable: bool) -> Path:
+    """Write a ``state_dict(copy=False)`` as a checkpoint at ``directory``."""
+    return write_checkpoint(directory, KIND, state["meta"], state["tensors"], durable=durable)
 
 
 # --------------------------------------------------------------------------------- loading
@@ -197,7 +193,7 @@ def load(
         }
         buffer = cls(meta["max_steps"], **kwargs)
         try:
-            _restore(buffer, saved, checkpoint)
+            buffer.load_state_dict(checkpoint)
         except BaseException:
             buffer.close()  # nothing half-made stays behind
             raise
@@ -219,7 +215,7 @@ def _open(directory: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointKindError(f"{exc}; load it with that class's load_checkpoint") from None
 
 
-def check(checkpoint: Checkpoint, where: str) -> Saved:
+def check(checkpoint: StateSource, where: str) -> Saved:
     """Meta ranges, tensor shapes, and every link against the episode table."""
     meta = checkpoint.meta
     max_steps = meta_int(meta, "max_steps", where, low=1)
@@ -292,7 +288,7 @@ def _is_entry(entry: object) -> bool:
     )
 
 
-def _check_rows(checkpoint: Checkpoint, saved: Saved, high_water: int, where: str) -> None:
+def _check_rows(checkpoint: StateSource, saved: Saved, high_water: int, where: str) -> None:
     names = row_tensor_names(saved.spec) if saved.spec is not None else {}
     for key, name in names.items():
         info = checkpoint.tensors.get(name)
@@ -365,63 +361,61 @@ def _check_links(saved: Saved, rows: int, where: str) -> None:
         )
 
 
-def _restore(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:
-    core, meta, s = buffer._core, saved.meta, saved.small
+def check_fits(saved: Saved, parts: EpisodeParts, where: str) -> None:
+    """``saved`` can replace the contents of the buffer of ``parts``: the same ``max_steps``,
+    rows, frame stacking and prioritization."""
+    meta = saved.meta
+    mine = {
+        "max_steps": parts.max_steps,
+        "rows": parts.core.slots.capacity,
+        "prioritized": parts.core.priorities is not None,
+        **{"frame_stack": parts.frame_stack, "frame_stack_padding": parts.frame_stack_padding},
+    }
+    theirs = {name: meta.get(name) for name in ("max_steps", "rows", "prioritized")}
+    theirs.update(_stacking(meta))
+    for name, value in mine.items():
+        if theirs[name] != value:
+            raise MetadataError(
+                f"{where}: {name} expected {value!r} (this buffer's), got {theirs[name]!r}"
+            )
+
+
+def restore(parts: EpisodeParts, saved: Saved, source: StateSource) -> None:
+    """Fill the empty core of ``parts`` with a checked state, and the sampler state."""
+    meta, s = saved.meta, saved.small
+    names = row_tensor_names(saved.spec) if saved.spec is not None else {}
+    obs_keys = list(saved.spec or saved.first_obs_spec or {})
     if saved.spec is not None:
-        core.slots.prepare(saved.spec)
-        names = row_tensor_names(saved.spec)
+        obs_keys = [key for key in obs_keys if key[0] == "observation"]
 
-        def fill(key: Key, out: torch.Tensor) -> None:
-            checkpoint.load_into(names[key], out, verify=True)
+    def fill(key: Key, out: torch.Tensor) -> None:
+        source.load_into(names[key], out, verify=True)  # streamed, hashed on the way
 
-        high_water = meta["high_water"]
-        core.slots.restore(
-            high_water, high_water % core.slots.capacity, high_water, fill, ring=False
-        )
-    core.links.restore({name: s[f"links/{name}"] for name in LINKS})
-    core.anchors.add(s["index/anchors"].cpu())
-    core.allocations = meta["allocations"]
-    if core.priorities is not None and PRIORITY in s:
-        core.priorities.tree.load(s[PRIORITY])
-    core.free = array("q", s["index/free"].numpy().tobytes())
-    _restore_table(buffer, saved, checkpoint)
-    for name in ("next_id", "next_seq", "steps", "valid_steps"):
-        setattr(core, name, meta[name])
-    core.evicted = meta["evicted"]
-    core._first_obs_spec = saved.first_obs_spec
-    restore_generator(buffer._generator, s[GENERATOR], meta["generator_device"])
+    def final(j: int, key: Key) -> torch.Tensor:
+        return source.load(f"final/{j}/{obs_keys.index(key)}", verify=True)
+
+    state = {
+        "counters": {name: meta[name] for name in COUNTERS},
+        "high_water": meta["high_water"],
+        "table": saved.table,
+        "links": {name: s[f"links/{name}"] for name in LINKS},
+        "anchors": s["index/anchors"],
+        "free": s["index/free"],
+        "episode_rows": s["index/episode_rows"],
+        "priorities": None
+        if PRIORITY not in s
+        else {**{k: meta[k] for k in ("alpha", "beta", "eps")}, "weights": s[PRIORITY]},
+        "storage": {"spec": saved.spec},
+        "first_obs_spec": saved.first_obs_spec,
+    }
+    restore_core(parts.core, state, fill, final)
+    restore_generator(parts.generator, s[GENERATOR], meta["generator_device"])
     if DRAWS in s:
         seed, rounds = (int(v) for v in s[DRAWS])
     else:  # saved before device draws: a key from the saved generator state, so loads agree
         digest = hashlib.sha256(s[GENERATOR].numpy().tobytes()).digest()
         seed, rounds = int.from_bytes(digest[:8], "little") >> 1, 0
-    buffer._draws.load_state_dict({"seed": seed, "rounds": rounds})
-
-
-def _restore_table(buffer: SyncEpisodeReplayBuffer, saved: Saved, checkpoint: Checkpoint) -> None:
-    core = buffer._core
-    flat = array("q", saved.small["index/episode_rows"].to(torch.long).numpy().tobytes())
-    obs_spec = _observation_spec(buffer) or saved.first_obs_spec
-    at, zero = 0, 0
-    for episode_id, agent, seq, end_kind, steps, has_final in saved.table:
-        episode = Episode(episode_id, agent, seq, own=flat[at : at + steps], end_kind=end_kind)
-        at += steps
-        if has_final:
-            episode.final_row = flat[at]
-            at += 1
-        elif end_kind != END_NONE:
-            episode.final_observation = _final_observation(checkpoint, zero, obs_spec)
-            zero += 1
-        core.register(episode)
-        if end_kind != END_NONE:
-            heapq.heappush(core.finished, (seq, episode_id))
-
-
-def _final_observation(checkpoint: Checkpoint, j: int, obs_spec: FieldSpec | None) -> TensorDict:
-    leaves = {
-        key: checkpoint.load(f"final/{j}/{i}", verify=True) for i, key in enumerate(obs_spec or {})
-    }
-    return TensorDict(nest(leaves), batch_size=[])
+    parts.draws.load_state_dict({"seed": seed, "rounds": rounds})
 
 
 def open_or_create(
@@ -449,10 +443,3 @@ def open_or_create(
             )
     overrides = {k: v for k, v in kwargs.items() if k not in (*saved, "seed")}
     return load(cls, directory, overrides)
-
-
-def free_rows(core: EpisodeCore) -> torch.Tensor:
-    """The free rows (quarantined ones last) as a new int64 tensor, in hand-out order."""
-    free = torch.frombuffer(core.free, dtype=torch.long).clone() if len(core.free) else None
-    quarantined = torch.tensor(core.quarantine, dtype=torch.long)
-    return quarantined if free is None else torch.cat([free, quarantined])

@@ -17,8 +17,10 @@ Loading checks everything it can before creating anything: the kind, every meta 
 range, and each row tensor's shape and dtype against the spec. A load that fails afterwards
 (a damaged file, too little space) closes the half-made buffer, removing its files.
 
-This module is the buffer's own translation layer: it reads and sets the buffer's private
-ring state (``_slots``, ``_generator``, ``_size``, ``_pointer``), which nothing else does.
+The buffer hands this module its configuration and components (:class:`RingParts`); the
+module composes their ``state_dict()``s into the checkpoint's meta and tensors
+(:func:`compose`), checks a state (:func:`check`) and restores one into the parts
+(:func:`restore`). ``ReplayBuffer.state_dict()`` / ``load_state_dict()`` are the same in memory.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
+from replaybuf.errors import (
+    CheckpointKindError,
+    CorruptCheckpointError,
+    MetadataError,
+    NoCheckpointError,
+)
 from replaybuf.persist.format import Checkpoint, read_checkpoint, write_checkpoint
 from replaybuf.persist.format.names import valid_name
 from replaybuf.persist.metadata import read_spec, require_int
-from replaybuf.storage import FieldSpec, Key, key_name, resolve_device, resolve_kind
+from replaybuf.persist.state import StateSource, state_of
+from replaybuf.priority import Prioritizer
+from replaybuf.storage import FieldSpec, Key, SlotStorage, key_name, resolve_device, resolve_kind
 
 if TYPE_CHECKING:
     from replaybuf.buffers import ReplayBuffer
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 KIND = "ReplayBuffer"
 GENERATOR = "sampler/generator_state"
 PRIORITY = "priority/weights"
+PRIORITY_META = ("alpha", "beta", "eps")  # a prioritized buffer's exponents, in the meta
 OVERRIDES = (
     "device",
     "storing_device",
@@ -97,37 +107,55 @@ def row_tensor_names(spec: FieldSpec) -> dict[Key, str]:
     return names
 
 
+@dataclass
+class RingParts:
+    """A ``ReplayBuffer``'s configuration and components, as its checkpoint code reads them."""
+
+    capacity: int
+    storage: str
+    device: torch.device
+    storing_device: torch.device
+    print_gc_warning: bool
+    slots: SlotStorage
+    priorities: Prioritizer | None
+    generator: torch.Generator
+    size: int  # rows stored
+    pointer: int  # the slot the next row goes to
+    writes: int  # rows ever written
+
+
 # --------------------------------------------------------------------------------- saving
-def save(buffer: ReplayBuffer, directory: str | os.PathLike[str], durable: bool) -> Path:
-    """Write ``buffer`` (rows, ring state, sampler state) as a checkpoint at ``directory``."""
-    slots, size = buffer._slots, buffer.size
+def compose(parts: RingParts, copy: bool) -> dict[str, Any]:
+    """The buffer's ``state_dict()``: rows (views unless ``copy``), ring state, sampler state."""
+    slots = parts.slots.state_dict(parts.size)
+    priorities = None if parts.priorities is None else parts.priorities.state_dict()
     state = RingState(
-        capacity=buffer.buffer_size,
-        size=size,
-        pointer=buffer.pointer,
-        storage=buffer.storage_kind,
-        device=str(buffer.device),
-        storing_device=str(buffer.storing_device),
-        print_gc_warning=bool(buffer.print_gc_warning),
-        torchrl_write_count=int(slots.memory.writer.state_dict()["_write_count"]),
-        generator_device=buffer._generator.device.type,
-        spec=buffer.spec,
-        writes=buffer._writes,
-        priority=None
-        if buffer._priorities is None
-        else {k: getattr(buffer._priorities, k) for k in ("alpha", "beta", "eps")},
+        capacity=parts.capacity,
+        size=parts.size,
+        pointer=parts.pointer,
+        storage=parts.storage,
+        device=str(parts.device),
+        storing_device=str(parts.storing_device),
+        print_gc_warning=bool(parts.print_gc_warning),
+        torchrl_write_count=slots["write_count"],
+        generator_device=parts.generator.device.type,
+        spec=slots["spec"],
+        writes=parts.writes,
+        priority=None if priorities is None else {k: priorities[k] for k in PRIORITY_META},
     )
-    tensors: dict[str, torch.Tensor] = {GENERATOR: buffer._generator.get_state()}
-    if buffer._priorities is not None:
-        tensors[PRIORITY] = buffer._priorities.tree.weights()
+    tensors: dict[str, torch.Tensor] = {GENERATOR: parts.generator.get_state()}
+    if priorities is not None:
+        tensors[PRIORITY] = priorities["weights"]
     if state.spec is not None:
         for key, name in row_tensor_names(state.spec).items():
-            if size:
-                tensors[name] = slots.column(key)[:size]  # a view: streamed, never copied whole
-            else:
-                field = state.spec[key]
-                tensors[name] = torch.empty((0, *field.shape), dtype=field.dtype)
-    return write_checkpoint(directory, KIND, state.to_meta(), tensors, durable=durable)
+            tensors[name] = slots["columns"][key]
+    return state_of(KIND, state.to_meta(), tensors, copy)
+
+
+def save(buffer: ReplayBuffer, directory: str | os.PathLike[str], durable: bool) -> Path:
+    """Write ``buffer`` (rows, ring state, sampler state) as a checkpoint at ``directory``."""
+    state = buffer.state_dict(copy=False)  # rows streamed from storage, never copied whole
+    return write_checkpoint(directory, KIND, state["meta"], state["tensors"], durable=durable)
 
 
 # --------------------------------------------------------------------------------- loading
@@ -146,7 +174,7 @@ def load(
         _check_generator_state(generator_state, state, kwargs["storing_device"], where)
         buffer = cls(**kwargs)
         try:
-            _restore(buffer, state, checkpoint, generator_state)
+            buffer.load_state_dict(checkpoint)
         except BaseException:
             buffer.close()  # nothing half-made stays behind: its scratch files go too
             raise
@@ -181,7 +209,7 @@ def _open(directory: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointKindError(f"{exc}; load it with that class's load_checkpoint") from None
 
 
-def check(checkpoint: Checkpoint) -> RingState:
+def check(checkpoint: StateSource) -> RingState:
     """The ring state of a ``ReplayBuffer`` checkpoint, after checking it agrees with itself."""
     where = f"checkpoint {str(checkpoint.directory)!r}"
     state = parse_meta(checkpoint.meta, where)
@@ -245,7 +273,7 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
     )
 
 
-def check_tensors(checkpoint: Checkpoint, state: RingState, where: str) -> None:
+def check_tensors(checkpoint: StateSource, state: RingState, where: str) -> None:
     """Each field's tensor is there with shape ``[size, *field shape]`` and the field's dtype."""
     names = row_tensor_names(state.spec) if state.spec is not None else {}
     for key, name in names.items():
@@ -334,25 +362,44 @@ def _check_generator_state(
         ) from None
 
 
-def _restore(
-    buffer: ReplayBuffer, state: RingState, checkpoint: Checkpoint, generator_state: torch.Tensor
-) -> None:
-    """Fill ``buffer`` (fresh and empty) with the rows and ring state of ``checkpoint``."""
+def check_fits(state: RingState, source: StateSource, parts: RingParts) -> None:
+    """``state`` can replace the contents of the buffer of ``parts``: same capacity, priorities
+    both or neither, a generator state the buffer's generator takes, and room for the rows."""
+    where = f"checkpoint {str(source.directory)!r}"
+    if state.capacity != parts.capacity:
+        raise MetadataError(
+            f"{where}: capacity expected {parts.capacity} (this buffer's buffer_size), "
+            f"got {state.capacity}"
+        )
+    if (state.priority is None) != (parts.priorities is None):
+        raise MetadataError(
+            f"{where}: prioritized expected {parts.priorities is not None} (this buffer), "
+            f"got {state.priority is not None}"
+        )
+    generator_state = source.load(GENERATOR, verify=True)
+    _check_generator_state(generator_state, state, parts.storing_device, where)
     if state.spec is not None:
-        buffer._slots.prepare(state.spec)  # the space check, before anything is allocated
+        parts.slots.check_space(parts.capacity, state.spec)  # before anything changes
+
+
+def restore(parts: RingParts, state: RingState, source: StateSource) -> None:
+    """Fill the parts of a buffer (emptied, its priorities fresh) with the rows, priorities and
+    sampler state of ``source``; the caller sets its size, pointer and writes from ``state``."""
+    if state.spec is not None:
+        parts.slots.prepare(state.spec)  # the space check, before anything is allocated
         names = row_tensor_names(state.spec)
 
         def fill(key: Key, out: torch.Tensor) -> None:
-            checkpoint.load_into(names[key], out, verify=True)  # streamed, hashed on the way
+            source.load_into(names[key], out, verify=True)  # streamed, hashed on the way
 
-        buffer._slots.restore(state.size, state.pointer, state.torchrl_write_count, fill)
-    buffer._size, buffer._pointer, buffer._writes = state.size, state.pointer, state.writes
-    if buffer._priorities is not None:
-        weights = checkpoint.load(PRIORITY, verify=True)
+        parts.slots.restore(state.size, state.pointer, state.torchrl_write_count, fill)
+    if parts.priorities is not None and state.priority is not None:
+        weights = source.load(PRIORITY, verify=True)
         if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
             raise CorruptCheckpointError(f"{PRIORITY} must hold finite weights >= 0")
-        buffer._priorities.tree.load(weights)
-    restore_generator(buffer._generator, generator_state, state.generator_device)
+        parts.priorities.load_state_dict({**state.priority, "weights": weights})
+    generator_state = source.load(GENERATOR, verify=True)
+    restore_generator(parts.generator, generator_state, state.generator_device)
 
 
 def restore_generator(generator: torch.Generator, saved: torch.Tensor, saved_type: str) -> None:

@@ -160,6 +160,21 @@ class Prioritizer:
         weights = torch.from_numpy(priority).add(self.eps).pow_(self.alpha)  # update()'s ops
         return self.tree.set_in_range_host(items, weights.numpy())
 
+    def state_dict(self) -> dict[str, Any]:
+        """alpha, beta, eps and a copy of every item's weight p^alpha."""
+        return {
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "eps": self.eps,
+            "weights": self.tree.weights(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take ``state``'s exponents and weights (checked by the caller: finite, >= 0)."""
+        self.alpha, self.beta = check_alpha(state["alpha"]), check_beta(state["beta"])
+        self.eps = check_eps(state["eps"])
+        self.tree.load(state["weights"])
+
     def draw(
         self, batch_size: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:

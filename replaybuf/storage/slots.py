@@ -385,6 +385,19 @@ class SlotStorage:
         return allocated_bytes(self.memory)
 
     # ----------------------------------------------------------------- checkpoints
+    def state_dict(self, rows: int) -> dict[str, Any]:
+        """The spec, TorchRL's write count and slots ``[0, rows)`` of each field: views of
+        the stored columns (empty tensors of the field's shape when ``rows`` is 0)."""
+        spec = self.spec
+        columns: dict[Key, torch.Tensor] = {}
+        for key, field in (spec or {}).items():
+            if rows:
+                columns[key] = self.column(key)[:rows]  # a view: streamed, never copied whole
+            else:
+                columns[key] = torch.empty((0, *field.shape), dtype=field.dtype)
+        write_count = 0 if self.memory is None else self.memory.writer.state_dict()["_write_count"]
+        return {"spec": spec, "write_count": int(write_count), "columns": columns}
+
     def restore(
         self,
         rows: int,
