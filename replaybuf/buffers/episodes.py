@@ -9,8 +9,6 @@ buffer unchanged, under the buffer's lock, so threads may share it
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -23,22 +21,19 @@ from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_gamma, check_n, int_at_least, positive_int
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
+from replaybuf.buffers.episode_state import EpisodePersistence
 from replaybuf.buffers.locking import synchronized
 from replaybuf.core import epoch_batches, epoch_order
-from replaybuf.episodes import FRAME_PADDINGS, STATUSES, EpisodeCore
-from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
-from replaybuf.persist import episodes as episode_checkpoint
-from replaybuf.persist import metadata
-from replaybuf.persist.episodes import EpisodeParts
-from replaybuf.persist.state import source_of
-from replaybuf.priority import (
-    Prioritizer,
-    check_beta,
-    check_priorities,
-    host_update_inputs,
-    parse_ids,
-    priority_stats,
+from replaybuf.episodes import (
+    STATUSES,
+    EpisodeCore,
+    check_frame_stack,
+    core_stats,
+    final_rows_for,
+    update_priorities,
 )
+from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
     DeviceDraws,
     Paths,
@@ -53,38 +48,12 @@ KIND = "EpisodeReplayBuffer"
 _APPEND_ONE = "append_observation_action_reward"  # what errors of the one-step append name
 
 
-def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
-    """Rows reserved for final observations beside the ``max_steps`` step rows.
-
-    One per stored episode that has steps, so never more than ``max_steps`` (a huge
-    ``max_episodes`` must not allocate rows that can never be used); without ``max_episodes`` we
-    reserve max_steps/16 (at least 16), so episodes shorter than 16 steps on average can be
-    evicted before ``max_steps`` is reached.
-    """
-    if max_episodes is not None:
-        return min(max_episodes, max_steps)
-    return min(max(16, math.ceil(max_steps / 16)), max_steps)
-
-
-def check_frame_stack(frame_stack: Any, padding: Any) -> tuple[int | None, str]:
-    """``frame_stack`` (None or an int >= 1) and its padding (``"reset"`` or ``"zero"``)."""
-    if padding not in FRAME_PADDINGS:
-        raise ValueError(f"frame_stack_padding must be one of {FRAME_PADDINGS}, got {padding!r}")
-    if frame_stack is None:
-        if padding != "reset":
-            raise ValueError(
-                f"frame_stack_padding={padding!r} needs frame_stack (an int >= 1), got None"
-            )
-        return None, padding
-    return positive_int(frame_stack, "frame_stack"), padding
-
-
-class SyncEpisodeReplayBuffer:
+class SyncEpisodeReplayBuffer(EpisodePersistence):
     """Episodes written step by step, sampled as n-step transitions, sequences or episodes.
 
     Args:
         max_steps: stored transitions (steps with an action) at most; final observations are
-            stored in extra rows (see :func:`final_rows_for`).
+            stored in extra rows (see :func:`replaybuf.episodes.config.final_rows_for`).
         max_episodes: stored episodes at most (checked at ``start_episode``).
         device: where sampled batches are delivered.
         storing_device: where rows are kept (``"cpu"`` or CUDA).
@@ -394,22 +363,9 @@ class SyncEpisodeReplayBuffer:
         or infinite priority or a length mismatch; then nothing is applied.
         """
         self._check_open()
-        priorities = self._core.priorities
-        if priorities is None:
+        if self._core.priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        fast = priorities.tree.host_writes and self._core.links.host is not None
-        host = host_update_inputs(index, priority) if fast else None
-        if host is not None:  # numpy on the host columns (CPU storage), while nothing is wrong
-            self._core.flush()
-            found = self._core.live_rows_host(host[0])
-            if found is not None and priorities.update_host(found[0], host[1][found[1]]):
-                return int(found[1].sum())
-        ids = parse_ids(index, self.storing_device)
-        values = check_priorities(priority, ids.numel(), self.storing_device)
-        self._core.flush()
-        rows, live = self._core.live_rows(ids)
-        priorities.update(rows[live], values[live])
-        return int(live.sum())
+        return update_priorities(self._core, index, priority)
 
     @synchronized
     def set_beta(self, beta: float) -> None:
@@ -454,30 +410,14 @@ class SyncEpisodeReplayBuffer:
     def stats(self) -> dict[str, Any]:
         """Counts of episodes, steps, agents and bytes."""
         self._check_open()
-        core = self._core
-        statuses = [e.status for e in core.episodes.values()]
-        agents: dict[str, int] = {}
-        for e in core.episodes.values():
-            agents[e.agent_id] = agents.get(e.agent_id, 0) + 1
-        return {
-            "episodes": len(core.episodes),
-            "in_progress": statuses.count("in_progress"),
-            "terminated": statuses.count("terminated"),
-            "truncated": statuses.count("truncated"),
-            "steps": core.steps,
-            "valid_steps": core.valid_steps,
-            "agents": agents,
-            "evicted_episodes": core.evicted,
+        config = {
             "max_steps": self.max_steps,
             "max_episodes": self.max_episodes,
-            "rows": core.slots.capacity,
-            "storage": core.slots.kind,
             "device": str(self.device),
             "storing_device": str(self.storing_device),
-            "bytes": core.slots.stored_bytes() + core.links.nbytes + core.anchors.nbytes,
             "frame_stack": self.frame_stack,
-            **priority_stats(core.priorities),
         }
+        return {**core_stats(self._core), **config}
 
     def as_dataset(
         self,
@@ -516,181 +456,3 @@ class SyncEpisodeReplayBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- state
-    def _parts(self, core: EpisodeCore | None = None) -> EpisodeParts:
-        """This buffer's configuration and components (with ``core`` instead of its own)."""
-        return EpisodeParts(
-            self.max_steps,
-            self.max_episodes,
-            self.min_steps,
-            self.frame_stack,
-            self.frame_stack_padding,
-            self.device,
-            self.storing_device,
-            self._core if core is None else core,
-            self._generator,
-            self._draws,
-        )
-
-    @synchronized
-    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
-        """The whole buffer in memory, as a checkpoint holds it (RLlib's ``get_state``).
-
-        ``{"kind": "EpisodeReplayBuffer", "meta": {...}, "tensors": {...}}``: stored rows,
-        episodes (in progress too), row links, anchors, free rows, priorities, counters,
-        config and sampler state, under the names a checkpoint gives them. ``copy=False``
-        hands out the stored rows by reference (views that later writes change).
-        """
-        self._check_open()
-        return episode_checkpoint.compose(self._parts(), copy)
-
-    @synchronized
-    @NORMAL_TENSORS
-    def load_state_dict(self, state: Any) -> None:
-        """Replace this buffer's contents by ``state`` (a :meth:`state_dict` of a buffer with
-        the same ``max_steps``, ``max_episodes``, frame stacking and prioritization; RLlib's
-        ``set_state``): episodes in progress continue, sampling draws what that buffer would.
-
-        Everything is checked first, and the state is restored into fresh storage that
-        replaces this buffer's only once it is complete: on any error, which names the field,
-        the buffer is left as it was.
-        """
-        self._check_open()
-        source = source_of(state, episode_checkpoint.KIND)
-        where = f"checkpoint {str(source.directory)!r}"
-        saved = episode_checkpoint.check(source, where)
-        episode_checkpoint.check_fits(saved, self._parts(), where)
-        core = self._core
-        pristine = core.allocations == 0 and core.next_id == 0 and not core.episodes
-        if not pristine:
-            core = self._new_core()
-        generator = torch.Generator(device=self.storing_device)
-        draws = DeviceDraws(self.storing_device, self._draws.seed)
-        parts = dataclasses.replace(self._parts(core), generator=generator, draws=draws)
-        try:
-            episode_checkpoint.restore(parts, saved, source)
-        except BaseException:
-            core.slots.close()
-            if pristine:  # as it was: empty, with storage of its own
-                self._core = self._new_core()
-            raise
-        if not pristine:
-            self._core.slots.close()
-        self._draws.clear()
-        self._core, self._generator, self._draws = core, generator, draws
-        self._paths = None
-
-    # ----------------------------------------------------------------- checkpoints
-    @synchronized
-    def save_checkpoint(
-        self, directory: str | os.PathLike | None = None, *, durable: bool = True
-    ) -> Path:
-        """Save everything (rows, episodes in progress, counters, sampler state) atomically.
-
-        Replaces the checkpoint at ``directory`` (default: the one :meth:`open` was given);
-        ``durable=False`` skips fsync: safe against a killed process, not against power loss.
-        """
-        target, state = self.begin_checkpoint(directory)
-        try:
-            return episode_checkpoint.write(target, state, durable)
-        finally:
-            self.end_checkpoint()
-
-    @synchronized
-    def begin_checkpoint(self, directory: str | os.PathLike | None) -> tuple[Path, Any]:
-        """Pin the rows and take the state (index copies, row views) a checkpoint writes;
-        :meth:`end_checkpoint` must follow once it is written."""
-        self._check_open()
-        target = self._home if directory is None else Path(directory)
-        if target is None:
-            raise ValueError(
-                "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
-            )
-        self._core.pin()
-        try:
-            return target, self.state_dict(copy=False)
-        except BaseException:
-            self._core.unpin()
-            raise
-
-    @synchronized
-    def end_checkpoint(self) -> None:
-        """Release the rows pinned by :meth:`begin_checkpoint`."""
-        self._core.unpin()
-
-    @classmethod
-    @NORMAL_TENSORS
-    def load_checkpoint(
-        cls, directory: str | os.PathLike, **overrides: Any
-    ) -> SyncEpisodeReplayBuffer:
-        """A new buffer holding the checkpoint at ``directory``: episodes in progress continue,
-        sampling draws what the saved one would have. ``overrides``: ``device``,
-        ``storing_device``, ``storage``, ``scratch_dir``, ``min_steps``."""
-        return episode_checkpoint.load(cls, directory, overrides)
-
-    @classmethod
-    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> SyncEpisodeReplayBuffer:
-        """Load the checkpoint at ``directory``, else create ``cls(**kwargs)``; either way a
-        later ``save_checkpoint()`` writes there (the Reverb manager's create-or-load)."""
-        buffer = episode_checkpoint.open_or_create(cls, directory, kwargs)
-        buffer._home = Path(os.path.abspath(directory))
-        return buffer
-
-    # ----------------------------------------------------------------- metadata
-    @synchronized
-    def save(self, path: str | os.PathLike) -> None:
-        """Write metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
-        self._check_open()
-        core = self._core
-        metadata.write_metadata(
-            path,
-            KIND,
-            {
-                "max_steps": self.max_steps,
-                "max_episodes": self.max_episodes,
-                "rows": core.slots.capacity,
-                "storage": core.slots.kind,
-                "device": str(self.device),
-                "storing_device": str(self.storing_device),
-                "spec": None if self.spec is None else self.spec.to_json(),
-                "episodes": len(core.episodes),
-                "steps": core.steps,
-                "valid_steps": core.valid_steps,
-                "next_episode_id": core.next_id,
-                "evicted_episodes": core.evicted,
-                "frame_stack": self.frame_stack,
-                "frame_stack_padding": self.frame_stack_padding,
-            },
-        )
-
-    @synchronized
-    @NORMAL_TENSORS
-    def load(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Read and check metadata; an empty buffer adopts its field spec. Returns it.
-
-        As for :meth:`ReplayBuffer.load`, counters describe rows the file does not hold, so they
-        are reported, not adopted. A mismatching ``max_steps`` or spec raises MetadataError.
-        """
-        self._check_open()
-        document = metadata.read_metadata(path, KIND)
-        max_steps = metadata.require_int(document, "max_steps", 1)
-        for name in ("episodes", "steps", "valid_steps", "next_episode_id", "evicted_episodes"):
-            metadata.require_int(document, name, 0)
-        spec = metadata.read_spec(document)
-        if max_steps != self.max_steps:
-            raise MetadataError(
-                f"max_steps: metadata has {max_steps}, this buffer {self.max_steps}"
-            )
-        # Files written before frame stacking existed hold neither key: no stacking.
-        stacking = (document.get("frame_stack"), document.get("frame_stack_padding", "reset"))
-        if stacking != (self.frame_stack, self.frame_stack_padding):
-            raise MetadataError(
-                f"frame_stack, frame_stack_padding: metadata has {stacking}, this buffer "
-                f"{(self.frame_stack, self.frame_stack_padding)}"
-            )
-        if spec is not None and self.spec is not None and spec != self.spec:
-            raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
-        if spec is not None and self.spec is None:
-            self._core.slots.prepare(spec)
-        return document

@@ -24,21 +24,10 @@ from torchrl.data import TensorDictReplayBuffer
 from replaybuf.args import NArg, index_tensor, int_at_least, positive_int
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
 from replaybuf.buffers.locking import synchronized
-from replaybuf.core import epoch_batches, num_batches
-from replaybuf.errors import BufferClosedError, EmptyBufferError, MetadataError
-from replaybuf.persist import metadata
-from replaybuf.persist import ring as buffer_checkpoint
-from replaybuf.persist.ring import RingParts
-from replaybuf.persist.state import source_of
-from replaybuf.priority import (
-    Prioritizer,
-    check_beta,
-    check_priorities,
-    host_update_inputs,
-    parse_ids,
-    priority_stats,
-    ring_ids,
-)
+from replaybuf.buffers.ring_epochs import RingEpochs
+from replaybuf.buffers.ring_state import RingPersistence
+from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
 from replaybuf.storage import (
     NORMAL_TENSORS,
     FieldSpec,
@@ -53,7 +42,7 @@ logger = logging.getLogger("replaybuf")
 _NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
 
 
-class ReplayBuffer:
+class ReplayBuffer(RingEpochs, RingPersistence):
     """A fixed-size transition buffer storing on ``storing_device`` and serving on ``device``.
 
     Args:
@@ -304,22 +293,15 @@ class ReplayBuffer:
         self._require(batch_size)
         if self._priorities is not None:
             slots, weight = self._priorities.draw(batch_size, self._generator)
-            return self._slots.gather(slots, self.device, extra=self._priority_keys(slots, weight))
+            return self._slots.gather(
+                slots,
+                self.device,
+                extra=ring_keys(slots, weight, self._writes, self.buffer_size, self.device),
+            )
         slots = torch.randint(
             0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
         )
         return self._slots.gather(slots, self.device)
-
-    def _priority_keys(
-        self, slots: torch.Tensor, weight: torch.Tensor | None
-    ) -> dict[Key, torch.Tensor]:
-        """``index`` (ids for :meth:`update_priorities`) and ``weight`` of a batch's rows."""
-        if weight is None:  # an exhaustive epoch is not importance-sampled
-            weight = torch.ones(slots.shape, dtype=torch.float32, device=slots.device)
-        return {
-            ("index",): ring_ids(slots, self._writes, self.buffer_size).to(self.device),
-            ("weight",): weight.to(self.device),
-        }
 
     def as_dataset(
         self,
@@ -348,38 +330,15 @@ class ReplayBuffer:
         self._check_open()
         if self._priorities is None:
             raise ValueError("update_priorities needs a buffer made with prioritized=True")
-        if self._priorities.tree.host_writes:  # CPU storage, with the compiled kernels
-            applied = self._update_host(self._priorities, index, priority)
-            if applied is not None:
-                return applied
-        ids = parse_ids(index, self.storing_device)
-        values = check_priorities(priority, ids.numel(), self.storing_device)
-        if ids.numel() == 0:
-            return 0
-        lowest, highest = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
-        if lowest >= self._writes - self._size and highest < self._writes:  # all live
-            self._priorities.update(ids % self.buffer_size, values)
-            return ids.numel()
-        never = (ids < 0) | (ids >= self._writes)
-        if bool(never.any()):
-            raise IndexError(
-                f"index must hold ids of written items (in [0, {self._writes})), "
-                f"got {int(ids[never][0])}"
-            )
-        live = ids >= self._writes - self._size
-        self._priorities.update(ids[live] % self.buffer_size, values[live])
-        return int(live.sum())
-
-    def _update_host(self, priorities: Prioritizer, index: Any, priority: Any) -> int | None:
-        """:meth:`update_priorities` in numpy on CPU storage, where the inputs are well formed
-        and every id is live; None otherwise (nothing written: the checked torch path runs)."""
-        host = host_update_inputs(index, priority)
-        if host is None:
-            return None
-        ids, values = host
-        if ids.min() < self._writes - self._size or ids.max() >= self._writes:
-            return None
-        return ids.shape[0] if priorities.update_host(ids % self.buffer_size, values) else None
+        return update_ring(
+            self._priorities,
+            index,
+            priority,
+            self._writes,
+            self._size,
+            self.buffer_size,
+            self.storing_device,
+        )
 
     @synchronized
     def set_beta(self, beta: float) -> None:
@@ -429,113 +388,6 @@ class ReplayBuffer:
         self._require()
         return self._slots.gather(self._oldest_first(), self.device)
 
-    # ----------------------------------------------------------------- epochs
-    @synchronized
-    def create_epoch_iterator(
-        self, batch_size: int, n_epochs: int = 1, *, shuffle: bool = True, drop_last: bool = False
-    ) -> Iterator[TensorDict]:
-        """Batches over ``n_epochs`` epochs; each visits every stored transition exactly once.
-
-        Each epoch is planned from the transitions stored when it starts (a fresh permutation,
-        or oldest first with ``shuffle=False``); rows written meanwhile into a planned slot are
-        served with their new contents. The iterator is also installed for
-        :meth:`get_next_batch`. After ``reset()`` it raises ``RuntimeError`` instead of serving
-        rows that are no longer stored.
-        """
-        self._require(batch_size)
-        n_epochs = int_at_least(n_epochs, "n_epochs", 1)
-        self._iterator = self._epochs(batch_size, n_epochs, shuffle, drop_last)
-        return self._iterator
-
-    def _epochs(
-        self, batch_size: int, n_epochs: int, shuffle: bool, drop_last: bool
-    ) -> Iterator[TensorDict]:
-        resets = self._resets
-        oldest = 0
-        for _ in range(n_epochs):
-            with self._lock:
-                order, oldest = self._epoch_plan(shuffle)
-            for number, slots in enumerate(epoch_batches(order, batch_size, drop_last)):
-                with self._lock:  # released before the yield: the learner holds no lock
-                    batch = self._epoch_batch(resets, slots, shuffle, oldest, number, batch_size)
-                yield batch
-
-    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, int]:
-        """One epoch's slots, and the first of them where they are oldest first."""
-        self._check_open()
-        if shuffle:
-            # The ring fills from slot 0, so the stored slots are always 0 .. size-1 and a
-            # permutation of them is randperm itself (the same draw epoch_order makes): no
-            # arange, rotation or gather of a million indices per epoch.
-            order = torch.randperm(
-                self._size, generator=self._generator, device=self.storing_device
-            )
-            return order, 0
-        oldest = self._pointer if self._size == self.buffer_size else 0  # order[0]
-        return self._oldest_first(), oldest
-
-    def _epoch_batch(
-        self,
-        resets: int,
-        slots: torch.Tensor,
-        shuffle: bool,
-        oldest: int,
-        number: int,
-        batch_size: int,
-    ) -> TensorDict:
-        self._check_open()
-        if self._resets != resets:
-            raise RuntimeError(
-                "epoch iterator expected the rows it planned, got a buffer reset since; "
-                "create a new iterator"
-            )
-        if self._priorities is not None:
-            extra = self._priority_keys(slots, None)
-            return self._slots.gather(slots, self.device, extra=extra)
-        if shuffle:
-            return self._slots.gather(slots, self.device)
-        # Consecutive slots unless the batch wraps: one copy per field.
-        first = (oldest + number * batch_size) % self.buffer_size
-        count = slots.shape[0]
-        if first + count <= self.buffer_size:
-            return self._slots.gather(slice(first, first + count), self.device)
-        return self._slots.gather(slots, self.device)
-
-    @synchronized
-    def get_next_batch(self, batch_size: int) -> TensorDict:
-        """The next batch of the installed epoch iterator, else a uniform random batch.
-
-        When the installed iterator is exhausted it is dropped and this falls back to
-        :meth:`sample_batch`, exactly as when no iterator was ever created (ObjectRL's
-        ``n_epochs=0`` mode).
-        """
-        positive_int(batch_size, "batch_size")
-        if self._iterator is not None:
-            try:
-                return next(self._iterator)
-            except StopIteration:
-                self._iterator = None
-        return self.sample_batch(batch_size)
-
-    def calculate_num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
-        """Batches in one epoch over what is stored: rounded up, or down with ``drop_last``."""
-        return num_batches(self._size, positive_int(batch_size, "batch_size"), drop_last)
-
-    @synchronized
-    def get_steps_and_iterator(self, n_epochs: int, max_iter: int, batch_size: int) -> int:
-        """Training steps to run, installing an epoch iterator when ``n_epochs > 0``.
-
-        ``n_epochs=0`` means random sampling for ``max_iter`` steps (no iterator).
-        """
-        n_epochs = int_at_least(n_epochs, "n_epochs", 0)
-        positive_int(batch_size, "batch_size")
-        if n_epochs == 0:
-            max_iter = int_at_least(max_iter, "max_iter", 0)
-            self._iterator = None
-            return max_iter
-        self.create_epoch_iterator(batch_size, n_epochs)
-        return n_epochs * self.calculate_num_batches(batch_size)
-
     # ----------------------------------------------------------------- introspection
     @synchronized
     def stats(self) -> dict[str, Any]:
@@ -556,149 +408,3 @@ class ReplayBuffer:
             "spec": None if self.spec is None else self.spec.to_json(),
             **priority_stats(self._priorities),
         }
-
-    # ----------------------------------------------------------------- metadata
-    @synchronized
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
-        self._check_open()
-        metadata.write_metadata(
-            path,
-            "ReplayBuffer",
-            {
-                "buffer_size": self.buffer_size,
-                "data_size": self._size,
-                "pointer": self._pointer,
-                "storage": self.storage_kind,
-                "device": str(self.device),
-                "storing_device": str(self.storing_device),
-                "spec": None if self.spec is None else self.spec.to_json(),
-            },
-        )
-
-    @synchronized
-    @NORMAL_TENSORS
-    def load(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Read ``path + ".metadata"``, check it against this buffer, and return it.
-
-        Metadata holds no rows, so ``data_size`` and ``pointer`` are reported, not adopted
-        (adopting them would make the buffer claim rows it does not hold). An empty buffer takes
-        the file's ``buffer_size`` and field spec, so the next write is checked against it.
-        Raises :class:`MetadataError` for a missing, corrupt, foreign or mismatching file.
-        """
-        self._check_open()
-        document = metadata.read_metadata(path, "ReplayBuffer")
-        buffer_size = metadata.require_int(document, "buffer_size", 1)
-        metadata.require_int(document, "data_size", 0, buffer_size)
-        metadata.require_int(document, "pointer", 0, buffer_size - 1)
-        spec = metadata.read_spec(document)
-        if self._size:
-            if buffer_size != self.buffer_size:
-                raise MetadataError(
-                    f"buffer_size: metadata has {buffer_size}, this buffer {self.buffer_size}"
-                )
-            if spec is not None and spec != self.spec:
-                raise MetadataError(f"spec: metadata has {spec}, this buffer {self.spec}")
-            return document
-        if spec is not None:
-            self._slots.check_space(buffer_size, spec)  # before anything changes
-        if buffer_size != self.buffer_size or self.spec is not None:
-            self._slots.reset(buffer_size)
-        if spec is not None:
-            self._slots.prepare(spec)
-        return document
-
-    # ----------------------------------------------------------------- state
-    def _parts(self) -> RingParts:
-        """This buffer's configuration and components, for its state and checkpoints."""
-        return RingParts(
-            self.buffer_size,
-            self.storage_kind,
-            self.device,
-            self.storing_device,
-            self.print_gc_warning,
-            self._slots,
-            self._priorities,
-            self._generator,
-            self._size,
-            self._pointer,
-            self._writes,
-        )
-
-    @synchronized
-    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
-        """The whole buffer in memory, as a checkpoint holds it (RLlib's ``get_state``).
-
-        ``{"kind": "ReplayBuffer", "meta": {...}, "tensors": {...}}``: rows, ring state, spec,
-        config, priorities and the sampler's generator state, under the names a checkpoint
-        gives them. ``copy=False`` hands out the stored rows by reference (views that later
-        writes change) instead of copies.
-        """
-        self._check_open()
-        return buffer_checkpoint.compose(self._parts(), copy)
-
-    @synchronized
-    @NORMAL_TENSORS
-    def load_state_dict(self, state: Any) -> None:
-        """Replace this buffer's contents by ``state`` (a :meth:`state_dict`, from a buffer of
-        the same ``buffer_size`` and prioritization; RLlib's ``set_state``): rows, ring state,
-        priorities and sampler state, so sampling goes on where that buffer's would.
-
-        Everything is checked first (as a checkpoint load checks it); on a bad state the
-        error names the field and this buffer is left as it was.
-        """
-        self._check_open()
-        source = source_of(state, buffer_checkpoint.KIND)
-        saved = buffer_checkpoint.check(source)
-        buffer_checkpoint.check_fits(saved, source, self._parts())
-        if self._declared is not None and saved.spec != self._declared:
-            raise MetadataError(
-                f"spec: state has {saved.spec}, this buffer declared {self._declared}"
-            )
-        self._slots.reset()
-        if self._priorities is not None:
-            p = self._priorities
-            self._priorities = Prioritizer(
-                self.buffer_size, self.storing_device, p.alpha, p.beta, p.eps, p.backend
-            )
-        buffer_checkpoint.restore(self._parts(), saved, source)
-        self._size, self._pointer, self._writes = saved.size, saved.pointer, saved.writes
-        self._iterator = None
-        self._resets += 1  # an epoch iterator planned before must not serve the new rows
-
-    # ----------------------------------------------------------------- checkpoints
-    @synchronized
-    def save_checkpoint(
-        self, directory: str | os.PathLike | None = None, *, durable: bool = True
-    ) -> Path:
-        """Save rows, ring state, spec, config and sampler RNG state; see README "Checkpoints".
-
-        Replaces the checkpoint at ``directory`` atomically (default: the one :meth:`open` was
-        given). ``durable=False`` skips fsync: safe against a killed process, not power loss.
-        """
-        self._check_open()
-        directory = self._home if directory is None else directory
-        if directory is None:
-            raise ValueError(
-                "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
-            )
-        return buffer_checkpoint.save(self, directory, durable)
-
-    @classmethod
-    @NORMAL_TENSORS
-    def load_checkpoint(cls, directory: str | os.PathLike, **overrides: Any) -> ReplayBuffer:
-        """A new buffer holding the checkpoint at ``directory``, sampling where it left off.
-
-        ``overrides``: ``device``, ``storing_device``, ``storage``, ``scratch_dir`` or
-        ``print_gc_warning``. Checked before a buffer is made; a failed load leaves nothing.
-        """
-        return buffer_checkpoint.load(cls, directory, overrides)
-
-    @classmethod
-    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> ReplayBuffer:
-        """Load the checkpoint at ``directory``, else ``ReplayBuffer(**kwargs)``; either way a
-        later ``save_checkpoint()`` writes there. Loading, ``buffer_size`` must match, ``seed``
-        is unused (the saved sampler goes on) and the other ``kwargs`` are overrides."""
-        buffer = buffer_checkpoint.open_or_create(cls, directory, kwargs)
-        buffer._home = Path(os.path.abspath(directory))
-        return buffer

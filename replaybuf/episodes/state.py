@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from replaybuf.core import END_NONE
 from replaybuf.episodes.core import EpisodeCore
 from replaybuf.episodes.episode import Episode
+from replaybuf.priority import priority_stats
 from replaybuf.storage import FieldSpec, Key, nest
 
 COUNTERS = ("next_id", "next_seq", "allocations", "steps", "valid_steps", "evicted")
@@ -123,3 +124,25 @@ def _restore_table(
         core.register(episode)
         if end_kind != END_NONE:
             heapq.heappush(core.finished, (seq, episode_id))
+
+
+def core_stats(core: EpisodeCore) -> dict[str, Any]:
+    """The core's part of ``stats()``: counts of episodes, steps, agents, storage and bytes."""
+    statuses = [e.status for e in core.episodes.values()]
+    agents: dict[str, int] = {}
+    for e in core.episodes.values():
+        agents[e.agent_id] = agents.get(e.agent_id, 0) + 1
+    return {
+        "episodes": len(core.episodes),
+        "in_progress": statuses.count("in_progress"),
+        "terminated": statuses.count("terminated"),
+        "truncated": statuses.count("truncated"),
+        "steps": core.steps,
+        "valid_steps": core.valid_steps,
+        "agents": agents,
+        "evicted_episodes": core.evicted,
+        "rows": core.slots.capacity,
+        "storage": core.slots.kind,
+        "bytes": core.slots.stored_bytes() + core.links.nbytes + core.anchors.nbytes,
+        **priority_stats(core.priorities),
+    }

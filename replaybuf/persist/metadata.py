@@ -136,3 +136,44 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_ring_metadata(
+    document: Mapping[str, Any], size: int, buffer_size: int, spec: FieldSpec | None
+) -> tuple[int, FieldSpec | None]:
+    """A ``ReplayBuffer`` file's ``buffer_size`` and spec, checked (against a buffer holding
+    ``size`` rows: a buffer with rows must agree with the file)."""
+    saved_size = require_int(document, "buffer_size", 1)
+    require_int(document, "data_size", 0, saved_size)
+    require_int(document, "pointer", 0, saved_size - 1)
+    saved_spec = read_spec(document)
+    if size and saved_size != buffer_size:
+        raise MetadataError(f"buffer_size: metadata has {saved_size}, this buffer {buffer_size}")
+    if size and saved_spec is not None and saved_spec != spec:
+        raise MetadataError(f"spec: metadata has {saved_spec}, this buffer {spec}")
+    return saved_size, saved_spec
+
+
+def check_episode_metadata(
+    document: Mapping[str, Any],
+    max_steps: int,
+    stacking: tuple[int | None, str],
+    spec: FieldSpec | None,
+) -> FieldSpec | None:
+    """An episode buffer file's spec, after checking the file against a buffer of
+    ``max_steps``, frame stacking ``stacking`` and field spec ``spec``."""
+    saved_max = require_int(document, "max_steps", 1)
+    for name in ("episodes", "steps", "valid_steps", "next_episode_id", "evicted_episodes"):
+        require_int(document, name, 0)
+    saved_spec = read_spec(document)
+    if saved_max != max_steps:
+        raise MetadataError(f"max_steps: metadata has {saved_max}, this buffer {max_steps}")
+    # Files written before frame stacking existed hold neither key: no stacking.
+    saved = (document.get("frame_stack"), document.get("frame_stack_padding", "reset"))
+    if saved != stacking:
+        raise MetadataError(
+            f"frame_stack, frame_stack_padding: metadata has {saved}, this buffer {stacking}"
+        )
+    if saved_spec is not None and spec is not None and saved_spec != spec:
+        raise MetadataError(f"spec: metadata has {saved_spec}, this buffer {spec}")
+    return saved_spec

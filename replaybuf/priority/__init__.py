@@ -9,6 +9,7 @@ from replaybuf.priority.policy import (
     priority_stats,
     ring_ids,
 )
+from replaybuf.priority.ring import ring_keys, update_ring
 from replaybuf.priority.segment_tree import segment_tree_unavailable_reason
 
 __all__ = [
@@ -19,5 +20,7 @@ __all__ = [
     "parse_ids",
     "priority_stats",
     "ring_ids",
+    "ring_keys",
     "segment_tree_unavailable_reason",
+    "update_ring",
 ]

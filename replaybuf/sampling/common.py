@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.accel.fused import Redraw
-from replaybuf.episodes import EpisodeCore
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.storage import Key
 
 # Uniform places in the packed anchor rows for a shape, those rows, and the device draws'
@@ -21,7 +21,7 @@ Draw = Callable[[tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, Redraw | No
 Values = torch.Tensor | np.ndarray  # index math results: numpy on the host paths
 
 
-def keys_of(core: EpisodeCore, *groups: str) -> tuple[Key, ...]:
+def keys_of(core: EpisodeView, *groups: str) -> tuple[Key, ...]:
     spec = core.slots.spec  # None only before the first step, when nothing is sampled
     return () if spec is None else spec.group(*groups)
 
@@ -40,7 +40,7 @@ def put_extras(out: TensorDict, rows: TensorDictBase) -> None:
             out.set(name, value)
 
 
-def nstep_keys(core: EpisodeCore) -> tuple[Key, ...]:
+def nstep_keys(core: EpisodeView) -> tuple[Key, ...]:
     """The keys of the core's n-step batches, in :func:`nstep_values`' order."""
     return nstep_key_order(keys_of(core, "observation"), keys_of(core, "action", "extras"))
 

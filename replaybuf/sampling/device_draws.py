@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from replaybuf.accel.graphs import BatchGraphs
-from replaybuf.episodes import EpisodeCore
+from replaybuf.sampling.view import EpisodeView
 
 Places = tuple[torch.Tensor, torch.Tensor, Any]  # places, the packed anchor rows, redraw state
 
@@ -54,7 +54,7 @@ class DeviceDraws:
         self.seed, self._rounds, self.made = int(state["seed"]), int(state["rounds"]), None
 
     def places(
-        self, core: EpisodeCore, shape: tuple[int, ...], generator: torch.Generator
+        self, core: EpisodeView, shape: tuple[int, ...], generator: torch.Generator
     ) -> Places:
         """Uniform places in the packed anchor rows, those rows, and the device draws' state
         where they made them: drawn on the device where the draw kernel runs, as a graph's

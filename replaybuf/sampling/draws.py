@@ -13,13 +13,13 @@ from replaybuf.core import (
     full_sequence_starts_by_jumps,
     jump_levels,
 )
-from replaybuf.episodes import EpisodeCore
 from replaybuf.errors import EmptyBufferError
 from replaybuf.sampling.common import Draw
+from replaybuf.sampling.view import EpisodeView
 
 
 def draw_anchors(
-    core: EpisodeCore, batch_size: int, replace: bool, generator: torch.Generator
+    core: EpisodeView, batch_size: int, replace: bool, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Start rows for a batch, uniform over valid steps or ∝ priority; and importance weights.
 
@@ -40,7 +40,7 @@ def draw_anchors(
 
 
 def with_priority_keys(
-    core: EpisodeCore, batch: TensorDict, start: torch.Tensor, weight: torch.Tensor | None
+    core: EpisodeView, batch: TensorDict, start: torch.Tensor, weight: torch.Tensor | None
 ) -> TensorDict:
     """Add ``index`` (ids for ``update_priorities``) and ``weight`` to a prioritized batch."""
     if core.priorities is None:
@@ -58,7 +58,7 @@ def with_priority_keys(
     return batch
 
 
-def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch.Tensor:
+def _full_starts(core: EpisodeView, anchors: torch.Tensor, length: int) -> torch.Tensor:
     """:func:`replaybuf.core.index.full_sequence_starts` of ``anchors``, in numpy for CPU
     storage."""
     host = core.links.host
@@ -68,7 +68,7 @@ def _full_starts(core: EpisodeCore, anchors: torch.Tensor, length: int) -> torch
 
 
 def draw_sequences(
-    core: EpisodeCore,
+    core: EpisodeView,
     batch_size: int,
     length: int,
     strict: bool,
@@ -99,7 +99,7 @@ STRICT_TRIES = 8  # a strict draw's candidates per slot in the fused kernel
 
 
 def _fused_draw(
-    core: EpisodeCore,
+    core: EpisodeView,
     batch_size: int,
     length: int,
     strict: bool,
@@ -138,7 +138,7 @@ def _fused_draw(
 
 
 def redraw_missing(
-    core: EpisodeCore,
+    core: EpisodeView,
     start: torch.Tensor,
     found: torch.Tensor,
     length: int,
@@ -154,7 +154,7 @@ def redraw_missing(
     return walk
 
 
-def require_full_sequences(core: EpisodeCore, length: int) -> None:
+def require_full_sequences(core: EpisodeView, length: int) -> None:
     """Raise :class:`EmptyBufferError` unless some anchor has ``length`` steps ahead in its
     episode (before a strict draw: a redraw on the device relies on one existing)."""
     if not core.holds_steps(length):
@@ -169,7 +169,7 @@ def _no_full_sequences(length: int) -> EmptyBufferError:
 
 
 def sample_sequence_starts(
-    core: EpisodeCore, batch_size: int, length: int, generator: torch.Generator
+    core: EpisodeView, batch_size: int, length: int, generator: torch.Generator
 ) -> torch.Tensor:
     """``batch_size`` anchors with ``length`` steps ahead in their episode, drawn uniformly (or
     ∝ priority) among those.

@@ -16,13 +16,13 @@ from tensordict import TensorDictBase
 from replaybuf.core import (
     stack_windows,
 )
-from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling.common import Values, keys_of, tensor_of
 from replaybuf.sampling.padding import kept_or_zero
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import Stacks, WindowMath
 
 
-def zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def zero_padding(core: EpisodeView, value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Frames at padding positions (``real`` False, its shape leading ``value``'s) zeroed when
     the padding is ``"zero"``; with ``"reset"`` they already repeat the episode's first frame."""
     if core.frame_padding != "zero":
@@ -32,7 +32,7 @@ def zero_padding(core: EpisodeCore, value: torch.Tensor, real: torch.Tensor) -> 
 
 
 def stacked_observations_at(
-    core: EpisodeCore, rows: Values, math: WindowMath, stacks: Stacks | None = None
+    core: EpisodeView, rows: Values, math: WindowMath, stacks: Stacks | None = None
 ) -> list[torch.Tensor]:
     """Each observation field's k-frame stacks at ``rows [N]`` (``frame_stack=k`` set), on the
     storing device: ``[N, k, *field]``. The stack rows are found by ``math`` (the buffer's
@@ -47,7 +47,7 @@ def stacked_observations_at(
 
 
 def stacked_observations(
-    core: EpisodeCore, start: torch.Tensor, obs_rows: torch.Tensor, device: torch.device
+    core: EpisodeView, start: torch.Tensor, obs_rows: torch.Tensor, device: torch.device
 ) -> TensorDictBase:
     """The observations at ``obs_rows [B, P]`` (consecutive rows of one episode each, from
     ``start [B]``) as a TensorDict ``[B, P]`` on ``device``; leaves ``[B, P, k, *field]`` with
@@ -72,7 +72,7 @@ def stacked_observations(
     return frames.apply(cut, batch_size=[batch, length])
 
 
-def lone_stack(core: EpisodeCore, frame: torch.Tensor) -> torch.Tensor:
+def lone_stack(core: EpisodeView, frame: torch.Tensor) -> torch.Tensor:
     """The stack of an episode's first frame (``[k, *frame]``), or the frame without stacking."""
     k = core.frame_stack
     if k is None:

@@ -18,11 +18,11 @@ from replaybuf.accel.fused import walks as fused_walks
 from replaybuf.accel.graphs import BatchGraphs, NotCapturable
 from replaybuf.args import NArg
 from replaybuf.core import discount_powers, torch_reward_powers
-from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling.common import nstep_keys
 from replaybuf.sampling.draws import STRICT_TRIES, require_full_sequences
 from replaybuf.sampling.nstep import NStepBuilder
 from replaybuf.sampling.sequences import sequence_values
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.storage import build_tensordict
 
 _LINKS = ("succ", "end_kind", "step", "episode", "prev_row")  # what the walks read
@@ -57,7 +57,7 @@ def graphed_nstep(
 
 
 def graphed_sequences(
-    core: EpisodeCore,
+    core: EpisodeView,
     graphs: BatchGraphs,
     batch_size: int,
     length: int,
@@ -91,7 +91,7 @@ def graphed_sequences(
 
 
 def _table(
-    core: EpisodeCore, graphs: BatchGraphs, device: torch.device, length: int = 1
+    core: EpisodeView, graphs: BatchGraphs, device: torch.device, length: int = 1
 ) -> torch.Tensor | None:
     """The packed anchor rows, brought up to date, where a graph may serve the batch: CUDA
     storage delivering on its own device, uniform draws, the fused kernels running there
@@ -104,7 +104,7 @@ def _table(
     return table if fused_walks(core.links, table, length) else None
 
 
-def _inputs(core: EpisodeCore, table: torch.Tensor) -> list[torch.Tensor]:
+def _inputs(core: EpisodeView, table: torch.Tensor) -> list[torch.Tensor]:
     """What the graphs read outside themselves: the anchor table, the row links (brought up
     to date here, so that no capture records their copy) and the stored columns."""
     links = [core.links.column(name) for name in _LINKS]

@@ -10,10 +10,11 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg
-from replaybuf.episodes import EpisodeCore, HostLinks
+from replaybuf.episodes import HostLinks
 from replaybuf.sampling.common import keys_of, nstep_key_order
 from replaybuf.sampling.frames import HostStacks
 from replaybuf.sampling.nstep import host_gathers
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import NO_N, compiled_windows, host_rewards
 from replaybuf.storage import Key, build_tensordict
 
@@ -44,7 +45,7 @@ class HostNStep:
     """
 
     def __init__(
-        self, core: EpisodeCore, plan: _HostPlan, generator: torch.Generator, general: NStepPath
+        self, core: EpisodeView, plan: _HostPlan, generator: torch.Generator, general: NStepPath
     ) -> None:
         self.core = core
         self.plan = plan
@@ -76,7 +77,7 @@ class NStepPath(Protocol):
 _CPU = torch.device("cpu")
 
 
-def host_plan(core: EpisodeCore) -> _HostPlan | None:
+def host_plan(core: EpisodeView) -> _HostPlan | None:
     """What :class:`HostNStep` reads of the columns, or None where it does not apply: the
     compiled window kernel, host links and anchors, a 1-D contiguous float reward column and a
     numpy view of every gathered field (priorities and the delivery device are the caller's)."""

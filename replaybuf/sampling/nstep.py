@@ -9,9 +9,9 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg
-from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling.common import Values, keys_of, nstep_keys, tensor_of
 from replaybuf.sampling.frames import HostStacks, stacked_observations_at
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import HostWindows, WindowMath
 from replaybuf.storage import Key, Part, build_tensordict
 
@@ -27,7 +27,7 @@ class NStepBuilder:
     """
 
     def __init__(
-        self, core: EpisodeCore, device: torch.device, math: WindowMath, host_views: bool
+        self, core: EpisodeView, device: torch.device, math: WindowMath, host_views: bool
     ) -> None:
         self.core = core
         self.device = device
@@ -98,7 +98,7 @@ class NStepBuilder:
         return values + list(delivered)
 
 
-def host_views_apply(core: EpisodeCore, device: torch.device, math: WindowMath) -> bool:
+def host_views_apply(core: EpisodeView, device: torch.device, math: WindowMath) -> bool:
     """Whether :class:`NStepBuilder` gathers with numpy (see its docstring)."""
     if device.type != "cpu" or core.frame_stack is not None or not isinstance(math, HostWindows):
         return False
@@ -107,7 +107,7 @@ def host_views_apply(core: EpisodeCore, device: torch.device, math: WindowMath) 
 
 
 def host_nstep_values(
-    core: EpisodeCore,
+    core: EpisodeView,
     start: torch.Tensor,
     ends: np.ndarray,
     info: list[Values],

@@ -28,13 +28,13 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg
-from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling.device_draws import DeviceDraws
 from replaybuf.sampling.draws import draw_anchors, draw_sequences, with_priority_keys
 from replaybuf.sampling.graphed import graphed_nstep, graphed_sequences
 from replaybuf.sampling.host import HostNStep, NStepPath, host_plan
 from replaybuf.sampling.nstep import NStepBuilder, host_views_apply
 from replaybuf.sampling.sequences import sequence_batch
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import window_math
 
 _KEY = "sampling.paths"  # its token in SlotStorage.derived (emptied when the columns change)
@@ -93,7 +93,7 @@ class GeneralSequences:
 
     def __init__(
         self,
-        core: EpisodeCore,
+        core: EpisodeView,
         device: torch.device,
         generator: torch.Generator,
         draws: DeviceDraws | None = None,
@@ -139,7 +139,7 @@ class Paths:
 
 
 def choose(
-    core: EpisodeCore,
+    core: EpisodeView,
     device: torch.device,
     generator: torch.Generator,
     draws: DeviceDraws,

@@ -11,12 +11,13 @@ from replaybuf.core import (
     END_TERMINATED,
     END_TRUNCATED,
 )
-from replaybuf.episodes import Episode, EpisodeCore
+from replaybuf.episodes import Episode
 from replaybuf.sampling.common import keys_of, put_extras
 from replaybuf.sampling.frames import lone_stack, stacked_observations
+from replaybuf.sampling.view import EpisodeView
 
 
-def episode_record(core: EpisodeCore, episode: Episode, device: torch.device) -> TensorDict:
+def episode_record(core: EpisodeView, episode: Episode, device: torch.device) -> TensorDict:
     """A whole stored episode, time-major, in a TensorDict with empty batch size.
 
     ``observation`` holds obs_0 .. obs_T (T+1 rows, the final observation last) for an ended

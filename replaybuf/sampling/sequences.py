@@ -15,15 +15,15 @@ from replaybuf.core import (
     sequence_rows,
     sequence_rows_by_jumps,
 )
-from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling.common import keys_of, tensor_of
 from replaybuf.sampling.frames import stacked_observations
 from replaybuf.sampling.padding import pad_copy, pad_in_place, zero_of
+from replaybuf.sampling.view import EpisodeView
 from replaybuf.storage import Key, Part, build_tensordict
 
 
 def sequence_batch(
-    core: EpisodeCore,
+    core: EpisodeView,
     start: torch.Tensor,
     length: int,
     device: torch.device,
@@ -45,7 +45,7 @@ def sequence_batch(
 
 
 def sequence_values(
-    core: EpisodeCore,
+    core: EpisodeView,
     start: torch.Tensor,
     length: int,
     device: torch.device,
@@ -126,7 +126,7 @@ def _padded(mask: torch.Tensor) -> bool:
     return not mask.is_cpu or not mask.numpy().all()
 
 
-def _walk(core: EpisodeCore, start: torch.Tensor, length: int, full: bool) -> Walk:
+def _walk(core: EpisodeView, start: torch.Tensor, length: int, full: bool) -> Walk:
     """The :class:`~replaybuf.accel.fused.Walk` of anchors ``start``: in the fused kernel where it
     runs; else in numpy for CPU storage, or in torch with jump tables (a walk of L links in
     ~log2(L) gathers: on CUDA kernel launches, not bytes, are what a walk costs)."""

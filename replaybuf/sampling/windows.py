@@ -31,8 +31,9 @@ from replaybuf.core import (
     stack_rows,
     window_return,
 )
-from replaybuf.episodes import EpisodeCore, HostLinks
+from replaybuf.episodes import HostLinks
 from replaybuf.sampling.common import Values, tensor_of
+from replaybuf.sampling.view import EpisodeView
 
 # Reward dtypes whose window sums run in numpy on the host path (numpy has no bfloat16, and
 # integer rewards sum into the default float dtype, as the torch path does).
@@ -109,7 +110,7 @@ def compiled_windows(
     )
 
 
-def host_rewards(core: EpisodeCore) -> np.ndarray | None:
+def host_rewards(core: EpisodeView) -> np.ndarray | None:
     """The reward column as a 1-D numpy float array the host paths sum, else None."""
     rewards = core.slots.host_view(("reward",))  # None for bfloat16, say
     if rewards is None or rewards.ndim != 1 or rewards.dtype not in HOST_REWARD:
@@ -120,7 +121,7 @@ def host_rewards(core: EpisodeCore) -> np.ndarray | None:
 class HostWindows:
     """Windows on the host columns (CPU storage): numba where ``compiled``, else numpy."""
 
-    def __init__(self, core: EpisodeCore, compiled: bool) -> None:
+    def __init__(self, core: EpisodeView, compiled: bool) -> None:
         self.core = core
         self.compiled = compiled  # the kernels loaded and the rewards are contiguous floats
 
@@ -185,7 +186,7 @@ class DeviceWindows:
     """Windows on the storing device (storage off the CPU): one fused kernel launch where it
     applies, else torch ops; no host synchronisation either way."""
 
-    def __init__(self, core: EpisodeCore) -> None:
+    def __init__(self, core: EpisodeView) -> None:
         self.core = core
 
     def __call__(
@@ -225,7 +226,7 @@ class DeviceWindows:
 
 
 def _gathered_return(
-    core: EpisodeCore, rows: Values, valid: Values, n_max: int, gamma: float
+    core: EpisodeView, rows: Values, valid: Values, n_max: int, gamma: float
 ) -> torch.Tensor:
     """The window return from one gather of the reward rows of steps t..t+n-1 (``[n, B]``:
     contiguous, no copy), in torch: CUDA storage, and reward dtypes numpy lacks."""
@@ -236,7 +237,7 @@ def _gathered_return(
     return window_return(gathered, torch.as_tensor(valid), gamma)
 
 
-def window_math(core: EpisodeCore) -> WindowMath:
+def window_math(core: EpisodeView) -> WindowMath:
     """The implementation for the core's configuration (see the module docstring)."""
     if core.links.host is None:
         return DeviceWindows(core)
