@@ -61,7 +61,8 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
         scratch_dir: existing folder for memmap files (a private subfolder is used).
         seed: seeds sampling.
         min_steps: sampling raises until at least this many valid steps are stored.
-        prioritized, alpha, beta, eps, priority_backend: prioritized replay (see the README).
+        prioritized, alpha, beta, eps, priority_backend: prioritized replay (see
+            ``docs/prioritized.md``).
         frame_stack: k to store one frame per step and return every observation as the stack
             of its last k frames in the episode, ``[..., k, *frame]`` (``None``: as stored).
             Append single frames (not stacks); every observation leaf is stacked.

@@ -162,7 +162,7 @@ class RingPersistence:
     def save_checkpoint(
         self, directory: str | os.PathLike | None = None, *, durable: bool = True
     ) -> Path:
-        """Save rows, ring state, spec, config and sampler RNG state; see README "Checkpoints".
+        """Save rows, ring state, spec, config and sampler RNG state; see ``docs/checkpoints.md``.
 
         Replaces the checkpoint at ``directory`` atomically (default: the one :meth:`open` was
         given). ``durable=False`` skips fsync: safe against a killed process, not power loss.

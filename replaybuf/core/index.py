@@ -22,8 +22,8 @@ stack of a row is the k rows ending at it, oldest first, clamped at the first ro
 
 :func:`nstep_windows` runs on torch tensors (any device) or on numpy arrays: for CPU storage
 the sampler hands it numpy views of the same columns, because at batch sizes of a few hundred
-a torch call costs 2-7 µs of dispatch against under 1 µs for numpy, and a window is a dozen
-such calls (see ``benchmarks/RESULTS.md``).
+a torch call's dispatch costs several times a numpy call, and a window is a dozen such calls
+(see ``docs/performance.md``).
 """
 
 from __future__ import annotations

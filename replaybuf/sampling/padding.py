@@ -20,9 +20,9 @@ def kept_or_zero(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """A new tensor: ``value`` where ``keep`` (broadcast to it) is True, else zero.
 
     Integer and bool values are multiplied by the mask, exact for them: on the CPU
-    ``torch.where`` (and ``masked_fill``) copy uint8 at ~1 GB/s, 3 ms for a padded
-    ``[8, 16, 4, 84, 84]`` sequence batch of frames, where the product takes ~0.1 ms.
-    Floats keep ``torch.where``: a product would turn a stored NaN or inf into NaN.
+    ``torch.where`` (and ``masked_fill``) copy uint8 slowly, a padded batch of frames many
+    times the product's cost. Floats keep ``torch.where``: a product would turn a stored NaN
+    or inf into NaN.
     """
     if not exact_product(value):
         return torch.where(keep, value, zero_of(value))
@@ -35,10 +35,10 @@ def exact_product(value: torch.Tensor) -> bool:
 
 
 def pad_in_place(value: torch.Tensor, pad: torch.Tensor, fill: bool | int) -> torch.Tensor:
-    """:func:`pad` written into ``value`` (a fresh gather no other field shares) where
-    ``pad`` (``[B, L]``) is True: ``masked_fill_`` costs less than half a ``torch.where`` with
-    a scalar on CUDA (11 against 25 µs a call on an H100's host). On the CPU integer and bool
-    values are multiplied by the mask instead, as in :func:`kept_or_zero`."""
+    """:func:`pad_copy` written into ``value`` (a fresh gather no other field shares) where
+    ``pad`` (``[B, L]``) is True: on CUDA ``masked_fill_`` costs less than half a
+    ``torch.where`` with a scalar. On the CPU integer and bool values are multiplied by the
+    mask instead, as in :func:`kept_or_zero`."""
     pad = pad.reshape(*pad.shape, *[1] * (value.dim() - 2))
     if not fill and value.is_cpu and exact_product(value):
         return value.mul_(~pad)
