@@ -184,6 +184,7 @@ def save(args: Args, buf: SyncEpisodeReplayBuffer, state: dict, step: int) -> No
 
 
 def train(args: Args) -> None:
+    """The worker: resume from ``LATEST`` if there is one, then train and checkpoint."""
     run_dir, scratch = Path(args.run_dir), Path(args.run_dir) / "scratch"  # scratch: memmaps
     scratch.mkdir(parents=True, exist_ok=True)
     envs = [gym.make(args.env_id) for _ in range(args.num_envs)]

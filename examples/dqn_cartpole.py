@@ -226,10 +226,7 @@ async def learner(args, buf, turns: Turns, q: nn.Module, episodes: list) -> list
             in_a_row = in_a_row + 1 if evaluation() >= args.target_return else 0
         solved = in_a_row >= args.solved_evals
         if solved:
-            print(
-                f"solved: {in_a_row} evaluations in a row >= {args.target_return} after "
-                f"{turns.step} env steps, {turns.updates + 1} gradient steps"
-            )
+            print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
         await turns.set(updates=turns.updates + 1, stopped=solved)
     if not curve or curve[-1][0] != turns.step:  # the budget ended between evaluations
         evaluation()

@@ -145,11 +145,8 @@ class SAC:
     """The networks, their optimizers and one gradient step on an n-step batch."""
 
     def __init__(self, args: Args, env: gym.Env, device: torch.device) -> None:
-        obs_dim, act_dim, space = (
-            env.observation_space.shape[0],
-            env.action_space.shape[0],
-            env.action_space,
-        )
+        space = env.action_space
+        obs_dim, act_dim = env.observation_space.shape[0], space.shape[0]
         self.args, self.updates, self.q_loss = args, 0, float("nan")
         self.actor = Actor(obs_dim, act_dim, args.hidden, space.low, space.high).to(device)
         self.critic = Critic(obs_dim, act_dim, args.hidden).to(device)
@@ -182,9 +179,8 @@ class SAC:
         if self.updates % self.args.policy_frequency == 0:
             for _ in range(self.args.policy_frequency):  # CleanRL's delayed, compensated updates
                 new_action, log_prob, _ = self.actor(obs)
-                actor_loss = (
-                    self.alpha * log_prob - torch.min(*self.critic(obs, new_action))
-                ).mean()
+                q_new = torch.min(*self.critic(obs, new_action))
+                actor_loss = (self.alpha * log_prob - q_new).mean()
                 self.actor_optimizer.zero_grad()
                 actor_loss.backward()
                 self.actor_optimizer.step()
@@ -196,9 +192,8 @@ class SAC:
                     alpha_loss.backward()
                     self.alpha_optimizer.step()
         with torch.no_grad():
-            for p, p_target in zip(
-                self.critic.parameters(), self.critic_target.parameters(), strict=True
-            ):
+            targets = self.critic_target.parameters()
+            for p, p_target in zip(self.critic.parameters(), targets, strict=True):
                 p_target.lerp_(p, self.args.tau)
         self.updates += 1
 
@@ -280,12 +275,7 @@ if __name__ == "__main__":
                 )
                 in_a_row = in_a_row + 1 if returns.mean() >= args.target_return else 0
                 if in_a_row >= args.solved_evals:
-                    print(
-                        f"solved: eval mean {returns.mean():.1f} ± {returns.std():.1f} over "
-                        f"{args.eval_episodes} episodes >= {args.target_return} ({in_a_row} "
-                        f"evaluations in a row) after {step} env steps, {agent.updates} "
-                        "gradient steps"
-                    )
+                    print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
                     break
         s = buf.stats()
         print(
