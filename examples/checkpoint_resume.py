@@ -145,7 +145,7 @@ def dqn_update(args: Args, batch, q: nn.Module, target: nn.Module, optimizer) ->
     loss.backward()
     nn.utils.clip_grad_norm_(q.parameters(), args.max_grad_norm)
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def evaluate(args: Args, q: nn.Module) -> np.ndarray:
