@@ -1,33 +1,20 @@
 """n-step Double DQN on CartPole-v1: asyncio collectors fill an episode buffer, a learner samples.
 
-One file, top to bottom (CleanRL style). Several collector tasks, each with its own gymnasium
-env, write their episodes step by step into one ``EpisodeReplayBuffer``
-(``start_episode`` / ``append_observation_action_reward`` / ``end_episode``, with
-``terminated`` and ``truncated`` kept apart); a learner task waits for ``learning_starts`` steps
-with ``wait_for_steps`` and then trains on ``sample_n_step(batch, n=3, gamma)``, whose
-``reward`` is the discounted n-step return and whose ``next_discount`` is γ^m (0 after a
-termination) for the bootstrap from ``next_observation``. Windows never cross an episode.
+Collector tasks, each with its own env, write episodes step by step into one
+``EpisodeReplayBuffer`` (``start_episode`` / ``append_observation_action_reward`` /
+``end_episode``, terminated and truncated kept apart). A learner task waits with
+``wait_for_steps``, then trains on ``sample_n_step(batch, n=3, gamma)``: ``reward`` is the
+discounted n-step return, ``next_discount`` is γ^m (0 after a termination). With
+``--prioritized`` (PER) each window's loss is scaled by its importance ``weight``, its |TD error|
+goes back through ``update_priorities`` and ``set_beta`` anneals beta towards 1.
 
-The tasks take turns in a fixed order (env step s belongs to collector s % num_collectors, and
-the learner takes one gradient step per ``train_frequency`` env steps), so nothing depends on
-timing and a seed gives one run. Every ``eval_every`` env steps the greedy policy plays
-``eval_episodes`` episodes; the run stops once their mean reaches ``target_return`` in
-``solved_evals`` evaluations in a row (two by default: an early greedy policy sometimes balances
-the pole for 500 steps by luck and loses it again). It prints the learning curve and writes a
-plot of return vs env steps (``dqn_cartpole.png``).
+The tasks take turns by count, never by timing, so a seed gives one run. The run stops once the
+greedy evaluation reaches ``target_return`` in ``solved_evals`` evaluations in a row (an early
+policy sometimes balances the pole by luck once), and writes ``dqn_cartpole.png``.
 
-With the defaults (seed 1) it is solved after 26,000 env steps and 24,997 gradient steps, greedy
-return 500.0 ± 0.0 over 20 episodes: 66 s on a 2-core CPU VM at load average 1.7 (182 s at 7).
-Seeds 2, 3 and 4 solve it after 38,000, 38,000 and 34,000 env steps. With ``--prioritized``
-(PER, alpha 0.6, beta annealed from 0.4 to 1: each window's loss scaled by its importance
-weight, its |TD error| sent back through ``update_priorities``) seed 1 is solved after 28,000
-env steps: 90 s at load average 1.0 (TorchRL's segment trees, torch 2.14.1).
-
-    python examples/dqn_cartpole.py                  # full run (stops once solved)
-    python examples/dqn_cartpole.py --prioritized    # prioritized replay (PER)
-    python examples/dqn_cartpole.py --help           # every knob
+    python examples/dqn_cartpole.py [--prioritized]    # full run; --help lists every knob
     python examples/dqn_cartpole.py --total-steps 300 --learning-starts 100 --eval-episodes 2 \
-        --eval-every 100 --out-dir /tmp/smoke        # smoke test
+        --eval-every 100 --out-dir /tmp/smoke           # smoke test
 """
 
 import argparse
@@ -35,12 +22,12 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -50,7 +37,6 @@ from replaybuf import EpisodeReplayBuffer
 
 
 def knob(default, doc: str):
-    """A dataclass field with its command-line help."""
     return field(default=default, metadata={"help": doc})
 
 
@@ -69,7 +55,6 @@ class Args:
     learning_rate: float = knob(5e-4, "Adam learning rate")
     hidden: int = knob(128, "units in each of the Q-network's two hidden layers")
     target_update: int = knob(500, "gradient steps between hard target-network updates")
-    double_dqn: bool = knob(True, "pick the next action with the online net (Double DQN)")
     max_grad_norm: float = knob(10.0, "gradient clipping norm")
     prioritized: bool = knob(False, "prioritized replay: draw windows by |TD error|^alpha")
     alpha: float = knob(0.6, "PER's priority exponent (with --prioritized)")
@@ -86,138 +71,77 @@ class Args:
     threads: int = knob(1, "torch CPU threads (1 is fastest for these small nets)")
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args() -> Args:
     """Every field of Args becomes a --flag (bools get --flag / --no-flag)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(Args):
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=f.default,
-                help=f.metadata["help"],
-            )
-        else:
-            parser.add_argument(flag, type=f.type, default=f.default, help=f.metadata["help"])
-    args = Args(**vars(parser.parse_args(argv)))
-    for name in ("beta_start", "beta_end"):  # refused here, not at the first gradient step
-        if not 0 <= getattr(args, name) <= 1:
-            parser.error(f"--{name.replace('_', '-')} must lie in [0, 1]")
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"], **kind)
+    args = Args(**vars(parser.parse_args()))
+    if not (0 <= args.beta_start <= 1 and 0 <= args.beta_end <= 1):
+        parser.error("--beta-start and --beta-end must lie in [0, 1]")
     return args
 
 
-def q_network(obs_dim: int, n_actions: int, hidden: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(obs_dim, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, n_actions),
-    )
-
-
-def beta(args: Args, step: int) -> float:
-    """PER's importance-weight exponent: linear from beta_start to beta_end over total_steps."""
-    return args.beta_start + (args.beta_end - args.beta_start) * min(1.0, step / args.total_steps)
-
-
 def epsilon(args: Args, step: int) -> float:
-    """Linear from start_e to end_e over exploration_steps, then flat."""
-    span = max(1, args.exploration_steps)
-    return args.end_e + (args.start_e - args.end_e) * max(0.0, 1.0 - step / span)
+    fraction = max(0.0, 1.0 - step / max(1, args.exploration_steps))
+    return args.end_e + (args.start_e - args.end_e) * fraction
 
 
-class Pace:
-    """Who moves next, decided by counts only (never by timing), so a seed gives one run.
+class Turns:
+    """Who moves next, decided by counts alone, so each gradient step sees the same data.
 
-    One env step at a time, round-robin: step s belongs to collector ``s % collectors``. Once
-    the learner has started, collectors may take step s only while ``s < base + updates *
-    train_frequency``; the learner takes its next gradient step when no env step is in flight
-    and that allowance is used up. So each gradient step sees the same data in every run.
+    Env step s belongs to collector ``s % num_collectors``. Once the learner has started (at env
+    step ``base``), env step s may be taken only while ``s < base + updates * train_frequency``;
+    when that allowance is used up and no env step is in flight, the learner takes a step.
     """
 
-    def __init__(self, collectors: int, train_frequency: int, total_steps: int) -> None:
-        self.collectors = collectors
-        self.train_frequency = train_frequency
-        self.total_steps = total_steps
-        self.cond = asyncio.Condition()
-        self.step = 0  # env steps completed
-        self.updates = 0  # gradient steps completed
-        self.busy = False  # an env step is in flight
-        self.base: int | None = None  # env steps when learning started
-        self.stopped = False
+    def __init__(self, args: Args) -> None:
+        self.args, self.cond = args, asyncio.Condition()
+        self.step = self.updates = 0  # env steps, gradient steps completed
+        self.busy = self.stopped = False  # busy: an env step is in flight
+        self.base: int | None = None  # env steps taken when learning started
 
     def done(self) -> bool:
-        return self.stopped or self.step >= self.total_steps
+        return self.stopped or self.step >= self.args.total_steps
 
-    def _allowance(self) -> float:
-        return (
-            float("inf") if self.base is None else self.base + self.updates * self.train_frequency
-        )
+    def my_turn(self, index: int | None) -> bool:
+        """Whether collector ``index`` (None: the learner) moves next."""
+        a = self.args
+        owed = self.base is not None and self.step >= self.base + self.updates * a.train_frequency
+        mine = owed if index is None else not owed and self.step % a.num_collectors == index
+        return not self.busy and mine
 
-    async def begin_env_step(self, collector: int) -> int | None:
-        """Wait for this collector's turn; the global step index, or None when training ends."""
+    async def wait_turn(self, index: int | None) -> bool:
+        """Wait until collector ``index`` (None: the learner) moves next; False at the end."""
         async with self.cond:
-            await self.cond.wait_for(
-                lambda: (
-                    self.done()
-                    or (
-                        not self.busy
-                        and self.step % self.collectors == collector
-                        and self.step < self._allowance()
-                    )
-                )
-            )
+            if index is None and self.base is None:
+                self.base = self.step + int(self.busy)  # a step in flight counts as taken
+            await self.cond.wait_for(lambda: self.done() or self.my_turn(index))
             if self.done():
-                return None
-            self.busy = True
-            return self.step
+                return False
+            self.busy = index is not None
+            return True
 
-    async def end_env_step(self) -> None:
+    async def set(self, **counts) -> None:
+        """Change the counts and wake every task to check whose turn it is."""
         async with self.cond:
-            self.busy, self.step = False, self.step + 1
-            self.cond.notify_all()
-
-    async def begin_update(self) -> bool:
-        """Wait until a gradient step is owed and no env step is in flight; False at the end."""
-        async with self.cond:
-            if self.base is None:
-                self.base = self.step + int(self.busy)
-            await self.cond.wait_for(
-                lambda: self.done() or (not self.busy and self.step >= self._allowance())
-            )
-            return not self.done()
-
-    async def end_update(self) -> None:
-        async with self.cond:
-            self.updates += 1
-            self.cond.notify_all()
-
-    async def stop(self) -> None:
-        async with self.cond:
-            self.stopped = True
+            vars(self).update(counts)
             self.cond.notify_all()
 
 
-async def collector(
-    index: int,
-    args: Args,
-    buf: EpisodeReplayBuffer,
-    pace: Pace,
-    q: nn.Module,
-    episodes: list[tuple[int, float]],
-) -> None:
-    """Play one env: epsilon-greedy on the current Q-network, every step into the buffer."""
+async def collector(index, args, buf, turns: Turns, q: nn.Module, episodes: list) -> None:
+    """Play one env epsilon-greedily on the current Q-network, every step into the buffer."""
     env = gym.make(args.env_id)
     rng = np.random.default_rng(args.seed * 1_000 + index)  # this collector's epsilon draws
     obs, _ = env.reset(seed=args.seed * 1_000 + index)
-    episode = await buf.start_episode(agent_id=f"collector-{index}")
-    episode_return = 0.0
-    while (step := await pace.begin_env_step(index)) is not None:
+    episode, episode_return = await buf.start_episode(agent_id=f"collector-{index}"), 0.0
+    while await turns.wait_turn(index):
+        step = turns.step
         if rng.random() < epsilon(args, step):
             action = int(rng.integers(env.action_space.n))
         else:
@@ -228,172 +152,96 @@ async def collector(
             episode, torch.from_numpy(obs), action=action, reward=float(reward)
         )
         episode_return += float(reward)
-        if terminated or truncated:
-            status = "terminated" if terminated else "truncated"  # a time limit bootstraps
+        if terminated or truncated:  # a time limit is a truncation: its window bootstraps
+            status = "terminated" if terminated else "truncated"
             await buf.end_episode(episode, status, final_observation=torch.from_numpy(next_obs))
             episodes.append((step + 1, episode_return))
             next_obs, _ = env.reset()
-            episode = await buf.start_episode(agent_id=f"collector-{index}")
-            episode_return = 0.0
+            episode, episode_return = await buf.start_episode(agent_id=f"collector-{index}"), 0.0
         obs = next_obs
-        await pace.end_env_step()
-    env.close()  # the episode in progress stays in the buffer; closing the buffer drops it
+        await turns.set(busy=False, step=step + 1)
 
 
-def evaluate(args: Args, q: nn.Module, episodes: int, seed: int) -> np.ndarray:
-    """Returns of ``episodes`` greedy episodes, played side by side (one batched forward)."""
-    envs = [gym.make(args.env_id) for _ in range(episodes)]
-    obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
-    returns = np.zeros(episodes)
-    running = list(range(episodes))
+def evaluate(args: Args, q: nn.Module) -> np.ndarray:
+    """Returns of ``eval_episodes`` greedy episodes, played side by side (one batched forward)."""
+    envs = [gym.make(args.env_id) for _ in range(args.eval_episodes)]
+    obs = [env.reset(seed=10_000 + args.seed * 1_000 + i)[0] for i, env in enumerate(envs)]
+    returns, running = np.zeros(len(envs)), list(range(len(envs)))
     while running:
         with torch.no_grad():
             actions = q(torch.from_numpy(np.stack([obs[i] for i in running]))).argmax(1).tolist()
-        still = []
-        for i, action in zip(running, actions, strict=True):
+        for i, action in zip(list(running), actions, strict=True):
             obs[i], reward, terminated, truncated, _ = envs[i].step(action)
             returns[i] += reward
-            if not (terminated or truncated):
-                still.append(i)
-        running = still
-    for env in envs:
-        env.close()
+            if terminated or truncated:
+                running.remove(i)
     return returns
 
 
-async def learner(
-    args: Args,
-    buf: EpisodeReplayBuffer,
-    pace: Pace,
-    q: nn.Module,
-    episodes: list[tuple[int, float]],
-) -> list[dict]:
-    """Sample n-step batches and take (Double) DQN steps; evaluate, print the curve, stop."""
+async def learner(args, buf, turns: Turns, q: nn.Module, episodes: list) -> list[tuple]:
+    """(Double) DQN steps on n-step batches; evaluate and print the curve; stop once solved."""
     target = copy.deepcopy(q)
     optimizer = torch.optim.Adam(q.parameters(), lr=args.learning_rate)
-    curve: list[dict] = []
-    start = time.perf_counter()
-    next_eval = args.eval_every
-    loss = float("nan")
-    in_a_row = 0  # consecutive evaluations at or above target_return
+    curve, start, next_eval, loss, in_a_row = [], time.perf_counter(), args.eval_every, np.nan, 0
 
-    def evaluation_point(updates: int) -> dict:
-        """Evaluate the greedy policy, print one line of the curve and keep it."""
-        returns = evaluate(args, q, args.eval_episodes, seed=10_000 + args.seed * 1_000)
-        recent = [r for _, r in episodes[-20:]]
-        point = {
-            "step": pace.step,
-            "updates": updates,
-            "episodes": len(episodes),
-            "recent": float(np.mean(recent)) if recent else float("nan"),
-            "eval_mean": float(returns.mean()),
-            "eval_std": float(returns.std()),
-            "loss": loss,
-            "epsilon": epsilon(args, pace.step),
-            "wall": time.perf_counter() - start,
-        }
-        curve.append(point)
+    def evaluation() -> float:
+        returns = evaluate(args, q)
+        recent = np.mean([r for _, r in episodes[-20:]]) if episodes else np.nan
         print(
-            f"step {point['step']:>7}  episodes {point['episodes']:>5}  "
-            f"recent return {point['recent']:6.1f}  "
-            f"eval {point['eval_mean']:6.1f} ± {point['eval_std']:5.1f}  "
-            f"loss {loss:7.4f}  eps {point['epsilon']:.3f}  wall {point['wall']:6.1f}s",
+            f"step {turns.step:>7}  episodes {len(episodes):>5}  recent return {recent:6.1f}  "
+            f"eval {returns.mean():6.1f} ± {returns.std():5.1f}  loss {loss:7.4f}  "
+            f"eps {epsilon(args, turns.step):.3f}  wall {time.perf_counter() - start:6.1f}s",
             flush=True,
         )
-        return point
+        curve.append((turns.step, returns.mean(), returns.std()))
+        return returns.mean()
 
-    await buf.wait_for_steps(args.learning_starts)  # learning starts
-    print(f"learning starts after {pace.step} env steps ({len(buf)} valid steps stored)")
-    while await pace.begin_update():
+    await buf.wait_for_steps(args.learning_starts)
+    print(f"learning starts after {turns.step} env steps ({len(buf)} valid steps stored)")
+    while await turns.wait_turn(None):
         batch = await buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma)
         with torch.no_grad():
             next_obs = batch["next_observation"]
-            if args.double_dqn:
-                best = q(next_obs).argmax(1, keepdim=True)
-                next_q = target(next_obs).gather(1, best).squeeze(1)
-            else:
-                next_q = target(next_obs).max(1).values
+            best = q(next_obs).argmax(1, keepdim=True)  # Double DQN: the online net picks
+            next_q = target(next_obs).gather(1, best).squeeze(1)
             # reward: discounted n-step return; next_discount: γ^m, or 0 after a termination
             td_target = batch["reward"] + batch["next_discount"] * next_q
         q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-        if args.prioritized:  # each window's loss scaled by its importance weight
-            per_window = F.smooth_l1_loss(q_taken, td_target, reduction="none")
-            loss_t = (batch["weight"] * per_window).mean()
-        else:
-            loss_t = F.smooth_l1_loss(q_taken, td_target)
+        per_window = F.smooth_l1_loss(q_taken, td_target, reduction="none")  # [B]
+        weight = batch["weight"] if args.prioritized else 1.0  # PER: importance weights
+        loss_t = (weight * per_window).mean()
         optimizer.zero_grad()
         loss_t.backward()
         nn.utils.clip_grad_norm_(q.parameters(), args.max_grad_norm)
         optimizer.step()
         loss = float(loss_t.detach())
-        if args.prioritized:  # new priority |TD error| (the buffer adds eps); anneal beta
+        if args.prioritized:  # new priority |TD error| (the buffer adds eps); beta goes linearly
             await buf.update_priorities(batch["index"], (q_taken - td_target).abs().detach())
-            await buf.set_beta(beta(args, pace.step))
-        if (pace.updates + 1) % args.target_update == 0:
+            done = min(1.0, turns.step / args.total_steps)
+            await buf.set_beta(args.beta_start + (args.beta_end - args.beta_start) * done)
+        if (turns.updates + 1) % args.target_update == 0:
             target.load_state_dict(q.state_dict())
-        if pace.step >= next_eval:  # no env step is in flight here
-            next_eval = (pace.step // args.eval_every + 1) * args.eval_every
-            point = evaluation_point(pace.updates + 1)
-            in_a_row = in_a_row + 1 if point["eval_mean"] >= args.target_return else 0
-            if in_a_row >= args.solved_evals:
-                print(
-                    f"solved: eval mean {point['eval_mean']:.1f} ± {point['eval_std']:.1f} over "
-                    f"{args.eval_episodes} episodes >= {args.target_return} "
-                    f"({in_a_row} evaluations in a row) after {point['step']} env steps, "
-                    f"{point['updates']} gradient steps, {point['wall']:.1f}s"
-                )
-                await pace.stop()
-        await pace.end_update()
-    if not curve or curve[-1]["step"] != pace.step:  # the budget ended between evaluations
-        evaluation_point(pace.updates)
+        if turns.step >= next_eval:  # no env step is in flight here
+            next_eval = (turns.step // args.eval_every + 1) * args.eval_every
+            in_a_row = in_a_row + 1 if evaluation() >= args.target_return else 0
+        solved = in_a_row >= args.solved_evals
+        if solved:
+            print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
+        await turns.set(updates=turns.updates + 1, stopped=solved)
+    if not curve or curve[-1][0] != turns.step:  # the budget ended between evaluations
+        evaluation()
     return curve
 
 
-def plot(args: Args, curve: list[dict], episodes: list[tuple[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    if episodes:
-        steps, returns = zip(*episodes, strict=True)
-        ax.plot(steps, returns, ".", ms=2, alpha=0.3, color="tab:blue", label="training episode")
-        window = 20
-        if len(returns) >= window:
-            smooth = np.convolve(returns, np.ones(window) / window, mode="valid")
-            ax.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"mean of last {window}")
-    if curve:
-        ax.errorbar(
-            [p["step"] for p in curve],
-            [p["eval_mean"] for p in curve],
-            yerr=[p["eval_std"] for p in curve],
-            fmt="o-",
-            color="tab:red",
-            capsize=3,
-            label=f"greedy eval (mean ± std of {args.eval_episodes})",
-        )
-    ax.axhline(args.target_return, ls="--", color="gray", lw=1, label="target")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("return")
-    per = ", prioritized replay" if args.prioritized else ""
-    ax.set_title(
-        f"{args.n_step}-step {'Double ' if args.double_dqn else ''}DQN{per}, {args.env_id}"
-    )
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-async def train(args: Args) -> tuple[list[dict], list[tuple[int, float]]]:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+async def train(args: Args) -> tuple[list, list]:
     probe = gym.make(args.env_id)
-    q = q_network(probe.observation_space.shape[0], probe.action_space.n, args.hidden)
-    probe.close()
-    pace = Pace(args.num_collectors, args.train_frequency, args.total_steps)
-    episodes: list[tuple[int, float]] = []  # (env step at its end, return), in order of ending
+    obs_dim, n_actions = probe.observation_space.shape[0], probe.action_space.n
+    torch.manual_seed(args.seed)
+    h = args.hidden
+    q = nn.Sequential(
+        nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, n_actions)
+    )
+    turns, episodes = Turns(args), []  # episodes: (env step at its end, return)
     async with EpisodeReplayBuffer(
         max_steps=args.buffer_size,
         seed=args.seed,
@@ -402,44 +250,51 @@ async def train(args: Args) -> tuple[list[dict], list[tuple[int, float]]]:
         beta=args.beta_start,
     ) as buf:
         collectors = [
-            asyncio.create_task(collector(i, args, buf, pace, q, episodes))
+            asyncio.create_task(collector(i, args, buf, turns, q, episodes))
             for i in range(args.num_collectors)
         ]
-        curve = await learner(args, buf, pace, q, episodes)
-        await pace.stop()
+        curve = await learner(args, buf, turns, q, episodes)
+        await turns.set(stopped=True)  # the collectors waiting for a turn return
         await asyncio.gather(*collectors)
-        stats = await buf.stats()
+        s = await buf.stats()
         print(
-            f"buffer: {stats['episodes']} episodes ({stats['terminated']} terminated, "
-            f"{stats['truncated']} truncated at the time limit, {stats['in_progress']} in "
-            f"progress) from {len(stats['agents'])} collectors, {stats['valid_steps']} valid steps"
+            f"buffer: {s['episodes']} episodes ({s['terminated']} terminated, {s['truncated']} "
+            f"truncated at the time limit, {s['in_progress']} in progress) from "
+            f"{len(s['agents'])} collectors, {s['valid_steps']} valid steps"
         )
-        if stats["prioritized"]:
+        if s["prioritized"]:
             print(
-                f"prioritized replay: backend {stats['priority_backend']}, alpha "
-                f"{stats['alpha']}, beta annealed to {stats['beta']:.2f}"
+                f"prioritized replay: backend {s['priority_backend']}, alpha {s['alpha']}, "
+                f"beta annealed to {s['beta']:.2f}"
             )
     return curve, episodes
 
 
-def main(args: Args) -> None:
-    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
-    began = time.perf_counter()
-    curve, episodes = asyncio.run(train(args))
-    wall = time.perf_counter() - began
-    out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "dqn_cartpole.png"
-    plot(args, curve, episodes, path)
-    if curve:
-        last = curve[-1]
-        print(
-            f"final: step {last['step']}  eval {last['eval_mean']:.1f} ± {last['eval_std']:.1f}  "
-            f"after {last['updates']} gradient steps"
-        )
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"wall {wall:.1f}s from start to stop (load average {load}); plot written to {path}")
+def plot(args: Args, curve: list, episodes: list, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps, returns = zip(*episodes, strict=True) if episodes else ((), ())
+    ax.plot(steps, returns, ".", ms=2, alpha=0.3, color="tab:blue", label="training episode")
+    if len(returns) >= 20:
+        smooth = np.convolve(returns, np.ones(20) / 20, mode="valid")
+        ax.plot(steps[19:], smooth, color="tab:blue", label="mean of last 20")
+    x, mean, std = zip(*curve, strict=True)
+    label = f"greedy eval (mean ± std of {args.eval_episodes})"
+    ax.errorbar(x, mean, yerr=std, fmt="o-", color="tab:red", capsize=3, label=label)
+    ax.axhline(args.target_return, ls="--", color="gray", lw=1, label="target")
+    per = ", prioritized replay" if args.prioritized else ""
+    ax.set(xlabel="env steps", ylabel="return", title=f"{args.n_step}-step Double DQN{per}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    args = parse_args()
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    curve, episodes = asyncio.run(train(args))
+    out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(args, curve, episodes, path := out_dir / "dqn_cartpole.png")
+    print(f"wall {time.perf_counter() - began:.1f}s; plot written to {path}")

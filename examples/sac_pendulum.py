@@ -1,25 +1,15 @@
 """SAC on Pendulum-v1: episodes into a SyncEpisodeReplayBuffer, time limits kept as truncation.
 
-One file, top to bottom (CleanRL style), with the buffer's plain-call API. Pendulum never
-terminates: every episode ends at its 200-step time limit, so each one is closed with
-``end_episode(ep, "truncated", final_observation=obs)``. A truncated window bootstraps from its
-final observation (``next_discount`` = γ^m, never 0 here), which is what keeps the value of a
-time limit from being learned as "the world ends". Batches come from
-``sample_n_step(batch, n, gamma)`` on ``device`` (CUDA when present, the rows stay in CPU
-memory); with ``--epochs-per-update`` the learner instead sweeps the buffer with
-``iterate_epochs``.
+Pendulum never terminates: every episode ends at its 200-step time limit and is closed with
+``end_episode(ep, "truncated", final_observation=obs)``, so its last windows bootstrap from the
+final observation (``next_discount`` = γ^m, never 0 here) instead of learning the time limit as
+"the world ends". Batches come from ``sample_n_step(batch, n, gamma)`` on ``device`` (CUDA when
+present; the rows stay in CPU memory); with ``--epochs-per-update`` the learner instead sweeps
+the buffer with ``iterate_epochs``. The run stops once the deterministic-policy evaluation
+reaches ``target_return`` in ``solved_evals`` evaluations in a row, and writes
+``sac_pendulum.png``.
 
-Every ``eval_every`` env steps the deterministic policy plays ``eval_episodes`` episodes; the
-run stops once their mean reaches ``target_return`` in ``solved_evals`` evaluations in a row, or
-at ``total_steps``. It prints the learning curve and writes ``sac_pendulum.png``.
-
-With the defaults (seed 1, CPU) it passes -250 after 4,000 env steps and stops after 6,000
-(1,000 random-action steps, then 5,000 gradient steps) at -134.3 ± 64.7 over 10 episodes:
-46 s on a 2-core CPU VM at load average 1.8. Run on for the whole 20,000-step budget
-(``--solved-evals 1000``), it stays at -132 to -134.
-
-    python examples/sac_pendulum.py                  # full run
-    python examples/sac_pendulum.py --help           # every knob
+    python examples/sac_pendulum.py                  # full run; --help lists every knob
     python examples/sac_pendulum.py --total-steps 300 --learning-starts 100 --eval-episodes 2 \
         --eval-every 100 --out-dir /tmp/smoke        # smoke test
 """
@@ -29,12 +19,12 @@ import copy
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -44,7 +34,6 @@ from replaybuf import SyncEpisodeReplayBuffer
 
 
 def knob(default, doc: str):
-    """A dataclass field with its command-line help."""
     return field(default=default, metadata={"help": doc})
 
 
@@ -80,33 +69,22 @@ class Args:
     threads: int = knob(1, "torch CPU threads")
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args() -> Args:
     """Every field of Args becomes a --flag (bools get --flag / --no-flag)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(Args):
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=f.default,
-                help=f.metadata["help"],
-            )
-        else:
-            parser.add_argument(flag, type=f.type, default=f.default, help=f.metadata["help"])
-    return Args(**vars(parser.parse_args(argv)))
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"], **kind)
+    return Args(**vars(parser.parse_args()))
 
 
-def mlp(inputs: int, outputs: int, hidden: int) -> nn.Sequential:
+def mlp(inputs: int, outputs: int, h: int) -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(inputs, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, outputs),
+        nn.Linear(inputs, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, outputs)
     )
 
 
@@ -115,8 +93,7 @@ class Critic(nn.Module):
 
     def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
         super().__init__()
-        self.q1 = mlp(obs_dim + act_dim, 1, hidden)
-        self.q2 = mlp(obs_dim + act_dim, 1, hidden)
+        self.q1, self.q2 = mlp(obs_dim + act_dim, 1, hidden), mlp(obs_dim + act_dim, 1, hidden)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = torch.cat([obs, action], -1)
@@ -136,8 +113,7 @@ class Actor(nn.Module):
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A sampled action, its log-probability and the deterministic (mean) action."""
         mean, log_std = self.net(obs).chunk(2, -1)
-        log_std = torch.tanh(log_std)
-        log_std = -5 + 0.5 * (2 - -5) * (log_std + 1)  # in [-5, 2], as CleanRL
+        log_std = -5 + 0.5 * (2 - -5) * (torch.tanh(log_std) + 1)  # in [-5, 2], as CleanRL
         std = log_std.exp()
         u = mean + std * torch.randn_like(mean)
         squashed = torch.tanh(u)
@@ -148,25 +124,20 @@ class Actor(nn.Module):
         return action, log_prob.sum(-1), torch.tanh(mean) * self.scale + self.bias
 
 
-def evaluate(args: Args, actor: Actor, episodes: int, seed: int, device) -> np.ndarray:
-    """Returns of ``episodes`` deterministic-policy episodes, played side by side."""
-    envs = [gym.make(args.env_id) for _ in range(episodes)]
-    obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
-    returns = np.zeros(episodes)
-    running = list(range(episodes))
+def evaluate(args: Args, actor: Actor, device: torch.device) -> np.ndarray:
+    """Returns of ``eval_episodes`` deterministic-policy episodes, played side by side."""
+    envs = [gym.make(args.env_id) for _ in range(args.eval_episodes)]
+    obs = [env.reset(seed=10_000 + args.seed + i)[0] for i, env in enumerate(envs)]
+    returns, running = np.zeros(len(envs)), list(range(len(envs)))
     while running:
         with torch.no_grad():
             batch = torch.from_numpy(np.stack([obs[i] for i in running])).to(device)
             actions = actor(batch)[2].cpu().numpy()
-        still = []
-        for i, action in zip(running, actions, strict=True):
+        for i, action in zip(list(running), actions, strict=True):
             obs[i], reward, terminated, truncated, _ = envs[i].step(action)
             returns[i] += reward
-            if not (terminated or truncated):
-                still.append(i)
-        running = still
-    for env in envs:
-        env.close()
+            if terminated or truncated:
+                running.remove(i)
     return returns
 
 
@@ -174,11 +145,10 @@ class SAC:
     """The networks, their optimizers and one gradient step on an n-step batch."""
 
     def __init__(self, args: Args, env: gym.Env, device: torch.device) -> None:
-        obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
-        self.args = args
-        self.actor = Actor(
-            obs_dim, act_dim, args.hidden, env.action_space.low, env.action_space.high
-        ).to(device)
+        space = env.action_space
+        obs_dim, act_dim = env.observation_space.shape[0], space.shape[0]
+        self.args, self.updates, self.q_loss = args, 0, float("nan")
+        self.actor = Actor(obs_dim, act_dim, args.hidden, space.low, space.high).to(device)
         self.critic = Critic(obs_dim, act_dim, args.hidden).to(device)
         self.critic_target = copy.deepcopy(self.critic)
         self.q_optimizer = torch.optim.Adam(self.critic.parameters(), lr=args.q_lr)
@@ -186,15 +156,12 @@ class SAC:
         self.target_entropy = -float(act_dim)
         self.log_alpha = torch.tensor(math.log(args.alpha), device=device, requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=args.policy_lr)
-        self.updates = 0
-        self.last = {"q_loss": float("nan"), "actor_loss": float("nan")}
 
     @property
     def alpha(self) -> torch.Tensor:
         return self.log_alpha.detach().exp()
 
     def update(self, batch) -> None:
-        args = self.args
         obs, action = batch["observation"], batch["action"]
         with torch.no_grad():
             next_action, next_log_prob, _ = self.actor(batch["next_observation"])
@@ -208,17 +175,16 @@ class SAC:
         self.q_optimizer.zero_grad()
         q_loss.backward()
         self.q_optimizer.step()
-        self.last["q_loss"] = float(q_loss.detach())
-        if self.updates % args.policy_frequency == 0:
-            for _ in range(args.policy_frequency):  # CleanRL's delayed, compensated updates
+        self.q_loss = float(q_loss.detach())
+        if self.updates % self.args.policy_frequency == 0:
+            for _ in range(self.args.policy_frequency):  # CleanRL's delayed, compensated updates
                 new_action, log_prob, _ = self.actor(obs)
                 q_new = torch.min(*self.critic(obs, new_action))
                 actor_loss = (self.alpha * log_prob - q_new).mean()
                 self.actor_optimizer.zero_grad()
                 actor_loss.backward()
                 self.actor_optimizer.step()
-                self.last["actor_loss"] = float(actor_loss.detach())
-                if args.autotune:
+                if self.args.autotune:
                     with torch.no_grad():
                         log_prob = self.actor(obs)[1]
                     alpha_loss = -(self.log_alpha.exp() * (log_prob + self.target_entropy)).mean()
@@ -226,66 +192,45 @@ class SAC:
                     alpha_loss.backward()
                     self.alpha_optimizer.step()
         with torch.no_grad():
-            for p, p_target in zip(
-                self.critic.parameters(), self.critic_target.parameters(), strict=True
-            ):
-                p_target.lerp_(p, args.tau)
+            targets = self.critic_target.parameters()
+            for p, p_target in zip(self.critic.parameters(), targets, strict=True):
+                p_target.lerp_(p, self.args.tau)
         self.updates += 1
 
 
-def plot(args: Args, curve: list[dict], episodes: list[tuple[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(args: Args, curve: list, episodes: list, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if episodes:
-        steps, returns = zip(*episodes, strict=True)
-        ax.plot(steps, returns, ".-", ms=3, lw=0.8, alpha=0.6, label="training episode")
-    if curve:
-        ax.errorbar(
-            [p["step"] for p in curve],
-            [p["eval_mean"] for p in curve],
-            yerr=[p["eval_std"] for p in curve],
-            fmt="o-",
-            color="tab:red",
-            capsize=3,
-            label=f"deterministic eval (mean ± std of {args.eval_episodes})",
-        )
+    steps, returns = zip(*episodes, strict=True) if episodes else ((), ())
+    ax.plot(steps, returns, ".-", ms=3, lw=0.8, alpha=0.6, label="training episode")
+    x, mean, std = zip(*curve, strict=True) if curve else ((), (), ())
+    label = f"deterministic eval (mean ± std of {args.eval_episodes})"
+    ax.errorbar(x, mean, yerr=std, fmt="o-", color="tab:red", capsize=3, label=label)
     ax.axhline(args.target_return, ls="--", color="gray", lw=1, label="target")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("return")
-    ax.set_title(f"SAC ({args.n_step}-step), {args.env_id}, time limits as truncation")
+    title = f"SAC ({args.n_step}-step), {args.env_id}, time limits as truncation"
+    ax.set(xlabel="env steps", ylabel="return", title=title)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def main(args: Args) -> None:
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+if __name__ == "__main__":
+    args = parse_args()
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
     env = gym.make(args.env_id)
     env.action_space.seed(args.seed)
     agent = SAC(args, env, device)
-    episodes: list[tuple[int, float]] = []  # (env step at its end, return)
-    curve: list[dict] = []
-    start = time.perf_counter()
-    in_a_row = 0
+    episodes, curve, in_a_row, start = [], [], 0, time.perf_counter()  # episodes: (step, return)
     how = "iterate_epochs" if args.epochs_per_update else "sample_n_step"
     print(f"device {device}: networks and batches ({how}, n={args.n_step}); rows on cpu")
     with SyncEpisodeReplayBuffer(
         max_steps=args.buffer_size, device=device, storing_device="cpu", seed=args.seed
     ) as buf:
         obs, _ = env.reset(seed=args.seed)
-        episode = buf.start_episode(agent_id="pendulum")
-        episode_return = 0.0
+        episode, episode_return = buf.start_episode(agent_id="pendulum"), 0.0
         for step in range(1, args.total_steps + 1):
             if step <= args.learning_starts:
                 action = env.action_space.sample()
@@ -294,91 +239,50 @@ def main(args: Args) -> None:
                     action = agent.actor(torch.from_numpy(obs).to(device))[0].cpu().numpy()
             next_obs, reward, terminated, truncated, _ = env.step(action)
             buf.append_observation_action_reward(
-                episode,
-                torch.from_numpy(obs),
-                action=torch.as_tensor(action, dtype=torch.float32),
-                reward=float(reward),
+                episode, torch.from_numpy(obs), action=torch.as_tensor(action), reward=float(reward)
             )
             episode_return += float(reward)
-            if terminated or truncated:
-                # Pendulum only truncates (200 steps): the final observation is bootstrapped from
+            if terminated or truncated:  # Pendulum only truncates: its windows bootstrap
                 status = "terminated" if terminated else "truncated"
                 buf.end_episode(episode, status, final_observation=torch.from_numpy(next_obs))
                 episodes.append((step, episode_return))
                 next_obs, _ = env.reset()
-                episode = buf.start_episode(agent_id="pendulum")
-                episode_return = 0.0
+                episode, episode_return = buf.start_episode(agent_id="pendulum"), 0.0
             obs = next_obs
 
-            if step > args.learning_starts:
-                if args.epochs_per_update == 0:
-                    agent.update(
-                        buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma)
-                    )
-                elif step % args.epoch_interval == 0:
-                    for batch in buf.iterate_epochs(
-                        args.batch_size,
-                        args.epochs_per_update,
-                        n=args.n_step,
-                        gamma=args.gamma,
-                        drop_last=True,
-                    ):
-                        agent.update(batch)
+            if step > args.learning_starts and args.epochs_per_update == 0:
+                agent.update(buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma))
+            elif step > args.learning_starts and step % args.epoch_interval == 0:
+                for batch in buf.iterate_epochs(
+                    args.batch_size,
+                    args.epochs_per_update,
+                    n=args.n_step,
+                    gamma=args.gamma,
+                    drop_last=True,
+                ):
+                    agent.update(batch)
 
             if step % args.eval_every == 0:
-                returns = evaluate(
-                    args, agent.actor, args.eval_episodes, 10_000 + args.seed, device
-                )
-                recent = [r for _, r in episodes[-10:]]
-                point = {
-                    "step": step,
-                    "updates": agent.updates,
-                    "episodes": len(episodes),
-                    "recent": float(np.mean(recent)) if recent else float("nan"),
-                    "eval_mean": float(returns.mean()),
-                    "eval_std": float(returns.std()),
-                    "alpha": float(agent.alpha),
-                    "wall": time.perf_counter() - start,
-                }
-                curve.append(point)
+                returns = evaluate(args, agent.actor, device)
+                recent = np.mean([r for _, r in episodes[-10:]]) if episodes else np.nan
+                curve.append((step, returns.mean(), returns.std()))
                 print(
-                    f"step {step:>7}  episodes {point['episodes']:>4}  "
-                    f"recent return {point['recent']:8.1f}  "
-                    f"eval {point['eval_mean']:8.1f} ± {point['eval_std']:6.1f}  "
-                    f"q_loss {agent.last['q_loss']:8.3f}  alpha {point['alpha']:.3f}  "
-                    f"wall {point['wall']:6.1f}s",
+                    f"step {step:>7}  episodes {len(episodes):>4}  recent return {recent:8.1f}  "
+                    f"eval {returns.mean():8.1f} ± {returns.std():6.1f}  "
+                    f"q_loss {agent.q_loss:8.3f}  alpha {float(agent.alpha):.3f}  "
+                    f"wall {time.perf_counter() - start:6.1f}s",
                     flush=True,
                 )
-                in_a_row = in_a_row + 1 if point["eval_mean"] >= args.target_return else 0
+                in_a_row = in_a_row + 1 if returns.mean() >= args.target_return else 0
                 if in_a_row >= args.solved_evals:
-                    print(
-                        f"solved: eval mean {point['eval_mean']:.1f} ± {point['eval_std']:.1f} "
-                        f"over {args.eval_episodes} episodes >= {args.target_return} "
-                        f"({in_a_row} evaluations in a row) after {step} env steps, "
-                        f"{agent.updates} gradient steps, {point['wall']:.1f}s"
-                    )
+                    print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
                     break
-        stats = buf.stats()
+        s = buf.stats()
         print(
-            f"buffer: {stats['episodes']} episodes ({stats['truncated']} truncated, "
-            f"{stats['terminated']} terminated, {stats['in_progress']} in progress), "
-            f"{stats['valid_steps']} valid steps"
+            f"buffer: {s['episodes']} episodes ({s['truncated']} truncated, {s['terminated']} "
+            f"terminated, {s['in_progress']} in progress), {s['valid_steps']} valid steps"
         )
-    env.close()
     out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "sac_pendulum.png"
-    plot(args, curve, episodes, path)
-    if curve:
-        last = curve[-1]
-        print(
-            f"final: step {last['step']}  eval {last['eval_mean']:.1f} ± {last['eval_std']:.1f}  "
-            f"after {last['updates']} gradient steps"
-        )
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    wall = time.perf_counter() - start
-    print(f"wall {wall:.1f}s from start to stop (load average {load}); plot written to {path}")
-
-
-if __name__ == "__main__":
-    main(parse_args())
+    plot(args, curve, episodes, path := out_dir / "sac_pendulum.png")
+    print(f"wall {time.perf_counter() - start:.1f}s; plot written to {path}")

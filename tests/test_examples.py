@@ -31,7 +31,8 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> str:
         [sys.executable, str(EXAMPLES / name), *flags, "--out-dir", str(tmp_path / "out")],
         capture_output=True,
         text=True,
-        env={**os.environ, "TMPDIR": str(scratch)},
+        # PYTHONPATH: the examples import this checkout's replaybuf, as the tests do
+        env={**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(EXAMPLES.parent)},
         timeout=280,
         check=False,
     )
