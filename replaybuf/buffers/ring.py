@@ -98,6 +98,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             else None
         )
         self._declared = None if spec is None else FieldSpec.declare(spec)
+        self._scratch_dir = scratch_dir  # where this buffer's storage keeps its memmap files
         self._slots = SlotStorage(
             capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )

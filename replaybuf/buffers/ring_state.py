@@ -6,6 +6,7 @@ that each module holds one concern; its checks and formats are :mod:`replaybuf.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ class RingPersistence:
     _priorities: Prioritizer | None
     _generator: torch.Generator
     _declared: FieldSpec | None
+    _scratch_dir: str | os.PathLike | None
     _size: int
     _pointer: int
     _writes: int
@@ -135,8 +137,9 @@ class RingPersistence:
         the same ``buffer_size`` and prioritization; RLlib's ``set_state``): rows, ring state,
         priorities and sampler state, so sampling goes on where that buffer's would.
 
-        Everything is checked first (as a checkpoint load checks it); on a bad state the
-        error names the field and this buffer is left as it was.
+        Everything is checked first (as a checkpoint load checks it), then the state is
+        restored into fresh storage that replaces this buffer's only once it is complete: on
+        any error, which names the field, the buffer is left as it was.
         """
         self._check_open()
         source = source_of(state, buffer_checkpoint.KIND)
@@ -146,13 +149,30 @@ class RingPersistence:
             raise MetadataError(
                 f"spec: state has {saved.spec}, this buffer declared {self._declared}"
             )
-        self._slots.reset()
+        slots = SlotStorage(
+            self.buffer_size,
+            kind=self.storage_kind,
+            storing_device=self.storing_device,
+            scratch_dir=self._scratch_dir,
+        )
+        priorities = None
         if self._priorities is not None:
             p = self._priorities
-            self._priorities = Prioritizer(
+            priorities = Prioritizer(
                 self.buffer_size, self.storing_device, p.alpha, p.beta, p.eps, p.backend
             )
-        buffer_checkpoint.restore(self._parts(), saved, source)
+        generator = torch.Generator(device=self.storing_device)
+        parts = dataclasses.replace(
+            self._parts(), slots=slots, priorities=priorities, generator=generator
+        )
+        try:
+            buffer_checkpoint.restore(parts, saved, source)
+        except BaseException:
+            slots.close()
+            raise
+        old, self._slots = self._slots, slots
+        old.close()
+        self._priorities, self._generator = priorities, generator
         self._size, self._pointer, self._writes = saved.size, saved.pointer, saved.writes
         self._iterator = None
         self._resets += 1  # an epoch iterator planned before must not serve the new rows
