@@ -133,10 +133,6 @@ class RowLinks:
             self._mirror.publish()
         return self._views[name]
 
-    def saved(self, name: str) -> torch.Tensor | None:
-        """A column's host values (its stored dtype, on the CPU), for checkpoints."""
-        return self._tensors[name]
-
     @property
     def nbytes(self) -> int:
         mirrored = 0 if self._mirror is None else self._mirror.nbytes
