@@ -23,7 +23,7 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -316,8 +316,11 @@ class SlotStorage:
             views = [self._host_views.get(id(t)) for _, t in leaves]
             if all(view is not None for view in views):
                 at = slots.numpy()
-                host = cast("list[np.ndarray]", views)  # none is None, checked just above
-                values = [torch.from_numpy(view.take(at, axis=0)) for view in host]
+                # None of the views is None (checked just above), which mypy cannot follow.
+                values = [
+                    torch.from_numpy(view.take(at, axis=0))  # type: ignore[union-attr]
+                    for view in views
+                ]
             else:
                 values = [torch.index_select(t, 0, slots) for _, t in leaves]
         else:
