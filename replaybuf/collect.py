@@ -35,7 +35,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -206,7 +206,8 @@ class _Run:
             self.tail[i] = _row(reached, i)
 
     def _end(self, i: int, status: str, final: Any) -> None:
-        self.buffer.end_episode(self.episode[i], status, final)
+        # Set while the episode runs; end_episode itself refuses anything else.
+        self.buffer.end_episode(cast(int, self.episode[i]), status, final)
         self.ends[status] += 1
         self.returns.append(float(self.running_return[i]))
         self.running_return[i] = 0.0
@@ -216,7 +217,7 @@ class _Run:
         """End every episode still running as truncated at the observation it reached."""
         for i in range(self.num_envs):
             if self.tail[i] is not None:  # None: no step stored yet (an append failed)
-                self.buffer.end_episode(self.episode[i], "truncated", self.tail[i])
+                self.buffer.end_episode(cast(int, self.episode[i]), "truncated", self.tail[i])
                 self.cut += 1
             self.episode[i] = self.tail[i] = None
 
@@ -330,7 +331,7 @@ def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return fn(tree)
 
 
-def _row(tree: Any, i: int) -> Any:
+def _row(tree: Any, i: int | np.integer) -> Any:
     """Sub-environment ``i``'s observation (copied: env arrays may be reused)."""
     return _map(lambda a: np.array(a[i]), tree)
 

@@ -20,8 +20,13 @@ signatures (or loads them from numba's cache, next to this file or in numba's us
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit, types
+
+if TYPE_CHECKING:
+    from numba.core.typing import Signature
 
 _F64 = types.float64[::1]
 _F64_2D = types.float64[:, ::1]
@@ -139,7 +144,7 @@ def draw_relative(
         relative[k] = (weights[k] / smallest) ** power
 
 
-def _nstep_signature(reward: types.Float) -> types.Signature:
+def _nstep_signature(reward: types.Float) -> Signature:
     """(ends, return, terminal, truncated, cut, discount, m, step, episode) of the anchors."""
     result = types.Tuple((_I64, reward[::1], _BOOL, _BOOL, _BOOL, _F32, _I64, _I64, _I64))
     return result(_I64, _I64, types.int64, _I64, _I8, _I64, _I64, reward[::1], reward[::1], _F32)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from tensordict import TensorDict
@@ -278,14 +278,18 @@ class EpisodeReplayBuffer:
         Each batch is built under the lock, so writers interleave between batches; semantics
         are those of :meth:`SyncEpisodeReplayBuffer.iterate_epochs`.
         """
-        batches = await self._call(
-            self._sync.iterate_epochs,
-            batch_size,
-            n_epochs,
-            n=n,
-            gamma=gamma,
-            shuffle=shuffle,
-            drop_last=drop_last,
+        # A generator (closed below, when this one ends), though annotated as an iterator.
+        batches = cast(
+            "Generator[TensorDict, None, None]",
+            await self._call(
+                self._sync.iterate_epochs,
+                batch_size,
+                n_epochs,
+                n=n,
+                gamma=gamma,
+                shuffle=shuffle,
+                drop_last=drop_last,
+            ),
         )
 
         async def prepare() -> TensorDict | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,7 +28,9 @@ from replaybuf.sampling import (
 )
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec
 
-if TYPE_CHECKING:  # the buffer inherits this class: imported for annotations only
+# The buffer inherits this class: imported for annotations only. Its classmethods take ``cls``
+# to be the buffer (or a subclass), and say so to the type checker with ``cast``.
+if TYPE_CHECKING:
     from replaybuf.buffers.episodes import SyncEpisodeReplayBuffer
 
 
@@ -53,12 +55,14 @@ class EpisodePersistence:
     device: torch.device
     storing_device: torch.device
 
-    @property
-    def spec(self) -> FieldSpec | None: ...
+    if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
 
-    def _check_open(self) -> None: ...
+        @property
+        def spec(self) -> FieldSpec | None: ...
 
-    def _new_core(self) -> EpisodeCore: ...
+        def _check_open(self) -> None: ...
+
+        def _new_core(self) -> EpisodeCore: ...
 
     # ----------------------------------------------------------------- state
     def _parts(self, core: EpisodeCore | None = None) -> EpisodeParts:
@@ -170,13 +174,17 @@ class EpisodePersistence:
         """A new buffer holding the checkpoint at ``directory``: episodes in progress continue,
         sampling draws what the saved one would have. ``overrides``: ``device``,
         ``storing_device``, ``storage``, ``scratch_dir``, ``min_steps``."""
-        return episode_checkpoint.load(cls, directory, overrides)
+        return episode_checkpoint.load(
+            cast("type[SyncEpisodeReplayBuffer]", cls), directory, overrides
+        )
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> SyncEpisodeReplayBuffer:
         """Load the checkpoint at ``directory``, else create ``cls(**kwargs)``; either way a
         later ``save_checkpoint()`` writes there (the Reverb manager's create-or-load)."""
-        buffer = episode_checkpoint.open_or_create(cls, directory, kwargs)
+        buffer = episode_checkpoint.open_or_create(
+            cast("type[SyncEpisodeReplayBuffer]", cls), directory, kwargs
+        )
         buffer._home = Path(os.path.abspath(directory))
         return buffer
 

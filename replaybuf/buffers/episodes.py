@@ -205,12 +205,15 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
             self._check_open()
             # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
             # that repeated calls take the cached run (it compares plain ints).
-            integers = (
+            ids: list[int]
+            if (
                 type(episode_ids) is np.ndarray
                 and episode_ids.ndim == 1
                 and episode_ids.dtype.kind in "iu"
-            )
-            ids = episode_ids.tolist() if integers else list(episode_ids)
+            ):
+                ids = episode_ids.tolist()
+            else:
+                ids = list(episode_ids)
             core = self._core
             episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
             if episodes is None:

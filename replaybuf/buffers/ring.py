@@ -181,6 +181,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
 
     def _prepare_declared(self) -> None:
         """Fix the declared spec and check the space now (closing the storage if it fails)."""
+        assert self._declared is not None  # called only once a spec is declared
         try:
             self._slots.prepare(self._declared)
         except BaseException:

@@ -9,7 +9,7 @@ over, so writers and other threads go on between batches.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -38,15 +38,19 @@ class RingEpochs:
     _iterator: Iterator[TensorDict] | None
     device: torch.device
     storing_device: torch.device
-    buffer_size: int
 
-    def _check_open(self) -> None: ...
+    if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
 
-    def _require(self, batch_size: Any = ...) -> None: ...
+        @property
+        def buffer_size(self) -> int: ...
 
-    def _oldest_first(self) -> torch.Tensor: ...
+        def _check_open(self) -> None: ...
 
-    def sample_batch(self, batch_size: int) -> TensorDict: ...
+        def _require(self, batch_size: Any = ...) -> None: ...
+
+        def _oldest_first(self) -> torch.Tensor: ...
+
+        def sample_batch(self, batch_size: int) -> TensorDict: ...
 
     # ----------------------------------------------------------------- epochs
     @synchronized

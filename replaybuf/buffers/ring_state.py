@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -28,7 +28,9 @@ from replaybuf.storage import (
     SlotStorage,
 )
 
-if TYPE_CHECKING:  # the buffer inherits this class: imported for annotations only
+# The buffer inherits this class: imported for annotations only. Its methods take ``self``
+# and ``cls`` to be the buffer (or a subclass), and say so to the type checker with ``cast``.
+if TYPE_CHECKING:
     from replaybuf.buffers.ring import ReplayBuffer
 
 
@@ -51,11 +53,19 @@ class RingPersistence:
     device: torch.device
     storing_device: torch.device
     print_gc_warning: bool
-    buffer_size: int
-    storage_kind: str
-    spec: FieldSpec | None
 
-    def _check_open(self) -> None: ...
+    if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
+
+        @property
+        def buffer_size(self) -> int: ...
+
+        @property
+        def storage_kind(self) -> str: ...
+
+        @property
+        def spec(self) -> FieldSpec | None: ...
+
+        def _check_open(self) -> None: ...
 
     # ----------------------------------------------------------------- metadata
     @synchronized
@@ -193,7 +203,7 @@ class RingPersistence:
             raise ValueError(
                 "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
             )
-        return buffer_checkpoint.save(self, directory, durable)
+        return buffer_checkpoint.save(cast("ReplayBuffer", self), directory, durable)
 
     @classmethod
     @NORMAL_TENSORS
@@ -203,13 +213,15 @@ class RingPersistence:
         ``overrides``: ``device``, ``storing_device``, ``storage``, ``scratch_dir`` or
         ``print_gc_warning``. Checked before a buffer is made; a failed load leaves nothing.
         """
-        return buffer_checkpoint.load(cls, directory, overrides)
+        return buffer_checkpoint.load(cast("type[ReplayBuffer]", cls), directory, overrides)
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> ReplayBuffer:
         """Load the checkpoint at ``directory``, else ``ReplayBuffer(**kwargs)``; either way a
         later ``save_checkpoint()`` writes there. Loading, ``buffer_size`` must match, ``seed``
         is unused (the saved sampler goes on) and the other ``kwargs`` are overrides."""
-        buffer = buffer_checkpoint.open_or_create(cls, directory, kwargs)
+        buffer = buffer_checkpoint.open_or_create(
+            cast("type[ReplayBuffer]", cls), directory, kwargs
+        )
         buffer._home = Path(os.path.abspath(directory))
         return buffer

@@ -28,7 +28,8 @@ a torch call's dispatch costs several times a numpy call, and a window is a doze
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ def nstep_windows(
     """
     host = isinstance(start, np.ndarray)
     chain = walk(start, n_max, succ)
-    rows = np.stack(chain) if host else torch.stack(chain)  # [n_max + 1, B]
+    rows = (np if host else torch).stack(chain)  # [n_max + 1, B]
     if n_max == 1:  # every anchor has a next row: all valid, m = 1 (three calls fewer)
         valid, m, last = rows[:1] >= 0, (np if host else torch).ones_like(start), chain[-1]
     elif isinstance(n, int):
@@ -234,7 +235,7 @@ def stack_windows(start: Array, obs_rows: Array, k: int, prev_row: Array) -> tup
     row instead of k·P. Torch tensors or numpy arrays, as :func:`stack_rows`.
     """
     host = isinstance(start, np.ndarray)
-    cat = np.concatenate if host else torch.cat
+    cat: Callable[..., Any] = np.concatenate if host else torch.cat
     before, real = stack_rows(start, k, prev_row)  # [B, k]
     ones = (np if host else torch).ones_like(obs_rows, dtype=bool)
     window = cat([before[:, : k - 1], obs_rows], 1)  # [B, k - 1 + P]

@@ -140,7 +140,12 @@ def bootstrap_discount(m: Array, terminal: Array, gamma: float, n_max: int | Non
     Pass ``n_max >= m.max()`` when known, to avoid reading ``m`` back (a device
     synchronisation on CUDA).
     """
-    top = int(m.max()) if n_max is None and math.prod(m.shape) else (n_max or 0)
+    # In a condition mypy matches math.prod against typeshed's literal-int overload only.
+    top = (
+        int(m.max())
+        if n_max is None and math.prod(m.shape)  # type: ignore[arg-type]
+        else (n_max or 0)
+    )
     if isinstance(m, np.ndarray):
         return host_powers(gamma, top)[m] * ~terminal
     powers = discount_powers(gamma, top, m.device)

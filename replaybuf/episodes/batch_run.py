@@ -155,4 +155,5 @@ class Packed:
 def _bytes(values: Ints) -> memoryview:
     """The bytes of an int64 array or contiguous numpy array, as ``array.frombytes`` takes
     them (a view, no copy)."""
-    return memoryview(values).cast("B")
+    # numpy's stubs declare an ndarray's buffer protocol for Python 3.12+ only.
+    return memoryview(values).cast("B")  # type: ignore[arg-type]

@@ -336,8 +336,8 @@ class EpisodeCore:
         # per episode of every append_batch); anything else gets in_progress's checks.
         if set(map(type, episode_ids)) == {int}:  # a bool would find episode 0 or 1
             found = list(map(self.running.get, episode_ids))
-            if all(found):  # no None: an Episode is always true
-                return found
+            if all(found):  # no None: an Episode is always true (mypy cannot narrow a list)
+                return found  # type: ignore[return-value]
         in_progress = self.in_progress
         return [in_progress(episode_id, action) for episode_id in episode_ids]
 

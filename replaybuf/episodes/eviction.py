@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -88,7 +88,7 @@ def choose_victims(
         candidates.close()  # puts the finished episodes it popped back on the heap
 
 
-def eviction_order(core: EpisodeCore, protected: set[int]) -> Iterator[Episode]:
+def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode, None, None]:
     """Candidates in eviction order, popping the finished heap lazily (O(k log E) for k).
 
     Popped entries go back on the heap when the caller stops; entries of episodes that are

@@ -93,7 +93,8 @@ class RowLinks:
         kernels: ModuleType | None = None,
     ) -> None:
         self.capacity = capacity
-        long = {"dtype": torch.long, "device": _CPU}  # host columns, whatever the default
+        # Host columns, whatever the default device.
+        long: dict[str, Any] = {"dtype": torch.long, "device": _CPU}
         self._tensors: dict[str, torch.Tensor | None] = {
             "succ": torch.arange(capacity, **long),
             "end_kind": torch.zeros(capacity, dtype=torch.int8, device=_CPU),
@@ -105,9 +106,10 @@ class RowLinks:
         }
         # The numpy views every write goes through; they share memory with the tensors, which
         # are only ever written in place.
-        self._master = HostLinks(
-            **{name: None if t is None else t.numpy() for name, t in self._tensors.items()}
-        )
+        views: dict[str, Any] = {
+            name: None if t is None else t.numpy() for name, t in self._tensors.items()
+        }
+        self._master = HostLinks(**views)
         self.version = 0  # bumped whenever succ changes: invalidates the jump tables
         self._jumps: list[torch.Tensor] = []  # index.jump_tables of succ, built on demand
         self._jumps_version = 0

@@ -31,10 +31,12 @@ def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, torch.Tensor])
     """Stage ``data`` (``[len(rows), ...]`` per key) for storage ``rows``; the first call, once
     the spec is fixed, makes the stager and the per-step fast path's plan."""
     if core._stager is None:
-        row_bytes = max(core.slots.spec.row_bytes, 1)
+        spec = core.slots.spec
+        assert spec is not None  # fixed by the first write, before anything is staged
+        row_bytes = max(spec.row_bytes, 1)
         size = max(_FLUSH_ROWS, min(8 * _FLUSH_ROWS, _FLUSH_BYTES // row_bytes))
-        core._stager = RowStager(core.slots.spec, size)
-        core._plan = RowPlan.of(core.slots.spec, core._stager.arrays)
+        core._stager = RowStager(spec, size)
+        core._plan = RowPlan.of(spec, core._stager.arrays)
     if not core._stager.fits(len(rows)):
         core.flush()
     if core._stager.fits(len(rows)):

@@ -181,7 +181,7 @@ def load(
         where = f"checkpoint {str(checkpoint.directory)!r}"
         saved = check(checkpoint, where)
         meta = saved.meta
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "max_episodes": meta["max_episodes"],
             "device": meta["device"],
             "storing_device": meta["storing_device"],
@@ -292,6 +292,7 @@ def _check_rows(checkpoint: StateSource, saved: Saved, high_water: int, where: s
     names = row_tensor_names(saved.spec) if saved.spec is not None else {}
     for key, name in names.items():
         info = checkpoint.tensors.get(name)
+        assert saved.spec is not None  # names is empty without a spec
         field = saved.spec[key]
         if info is None or (info.shape, info.dtype) != ((high_water, *field.shape), field.dtype):
             got = None if info is None else f"shape {list(info.shape)} dtype {info.dtype}"

@@ -227,7 +227,7 @@ def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
             f"{where}: pointer expected {size} (size % capacity while the ring is not full),"
             f" got {pointer}"
         )
-    strings = {}
+    strings: dict[str, Any] = {}  # each checked to be a str below
     for name in ("storage", "device", "storing_device", "generator_device"):
         strings[name] = meta.get(name)
         if not isinstance(strings[name], str):
@@ -277,6 +277,7 @@ def check_tensors(checkpoint: StateSource, state: RingState, where: str) -> None
     """Each field's tensor is there with shape ``[size, *field shape]`` and the field's dtype."""
     names = row_tensor_names(state.spec) if state.spec is not None else {}
     for key, name in names.items():
+        assert state.spec is not None  # names is empty without a spec
         field = state.spec[key]
         info = checkpoint.tensors.get(name)
         if info is None:

@@ -18,16 +18,28 @@ from replaybuf.errors import CheckpointKindError, CorruptCheckpointError
 
 
 class StateSource(Protocol):
-    """What the checks and restores read: an open checkpoint or a :class:`MemoryState`."""
+    """What the checks and restores read: an open checkpoint or a :class:`MemoryState`.
 
-    directory: Any
-    kind: str
-    meta: dict[str, Any]
-    tensors: Mapping[str, Any]  # name -> something with .shape and .dtype
+    Read-only: the checks and restores never assign to a source, so an open checkpoint (whose
+    ``kind`` and ``meta`` are properties over its manifest) fits as well as a ``MemoryState``.
+    """
 
-    def load(self, name: str, verify: bool = ...) -> torch.Tensor: ...
+    @property
+    def directory(self) -> Any: ...
 
-    def load_into(self, name: str, out: torch.Tensor, verify: bool = ...) -> None: ...
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...  # name -> something with .shape and .dtype
+
+    def load(self, name: str, *, verify: bool = ...) -> torch.Tensor: ...
+
+    # A checkpoint hands ``out`` back, a MemoryState nothing: callers ignore the result.
+    def load_into(self, name: str, out: torch.Tensor, *, verify: bool = ...) -> object: ...
 
 
 class MemoryState:

@@ -86,8 +86,8 @@ def relative_power(weights: torch.Tensor, smallest: float, power: float) -> torc
     """float32 (weights / smallest) ** power, for float ``weights`` of any shape that hold the
     index's weights exactly."""
     if weights.device.type == "cpu":  # numpy: its calls cost less than torch's here
-        ratio = weights.numpy().astype(np.float64) / smallest  # a new array: safe in place
-        return torch.from_numpy(np.power(ratio, power, out=ratio).astype(np.float32))
+        host_ratio = weights.numpy().astype(np.float64) / smallest  # a new array: safe in place
+        return torch.from_numpy(np.power(host_ratio, power, out=host_ratio).astype(np.float32))
     ratio = weights.to(torch.float64) / smallest  # a new tensor: safe to work in place
     return ratio.pow_(power).to(torch.float32)
 

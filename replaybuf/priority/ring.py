@@ -57,10 +57,10 @@ def update_ring(
     if priorities.tree.host_writes:
         host = host_update_inputs(index, priority)
         if host is not None:
-            ids, values = host
-            live = ids.min() >= writes - size and ids.max() < writes
-            if live and priorities.update_host(ids % capacity, values):
-                return ids.shape[0]
+            host_ids, host_values = host
+            live = host_ids.min() >= writes - size and host_ids.max() < writes
+            if live and priorities.update_host(host_ids % capacity, host_values):
+                return host_ids.shape[0]
     ids = parse_ids(index, device)
     values = check_priorities(priority, ids.numel(), device)
     if ids.numel() == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -60,7 +60,8 @@ class SegmentTreePriorityIndex(PriorityIndex):
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         super().__init__(capacity, device)
-        sum_tree, min_tree = _segment_trees()  # checked by make_priority_index
+        # Classes, not the reason they do not load: checked by make_priority_index.
+        sum_tree, min_tree = cast("tuple[Any, Any]", _segment_trees())
         self._sums, self._min, self._negated_max = (
             sum_tree(capacity),
             min_tree(capacity),

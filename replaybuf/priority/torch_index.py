@@ -65,6 +65,7 @@ class TorchPriorityIndex(LeafIndex):
     def _attach_host(self, compiled: ModuleType | None) -> None:
         """The CPU's numpy views and kernels (rebuilt after unpickling: views do not survive a
         copy, and a module cannot be pickled)."""
+        assert self._running is not None  # made on the CPU, the only device with host views
         tensors = (self._leaves, self._running, self._blocks, self._lowest, self._highest)
         self._host = tuple(t.numpy() for t in (*tensors, self._starts))
         self.compiled = compiled
@@ -149,12 +150,12 @@ class TorchPriorityIndex(LeafIndex):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host is not None:  # the CPU: numpy views of the same tensors
             leaves, running, starts = self._host[0], self._host[1], self._host[5]
-            masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
+            host_masses = sample_masses(batch_size, starts[-1], generator, self.device).numpy()
             if self.compiled is None:
-                items, weights = locate_host(starts, running, leaves, masses)
+                items, weights = locate_host(starts, running, leaves, host_masses)
             else:
                 items, weights = np.empty(batch_size, np.int64), np.empty(batch_size)
-                self.compiled.locate(starts, running, leaves, masses, items, weights)
+                self.compiled.locate(starts, running, leaves, host_masses, items, weights)
             return torch.from_numpy(items), torch.from_numpy(weights)
         masses = sample_masses(batch_size, self._starts[-1], generator, self.device)  # [B]
         return locate(self._starts, self._leaves, masses)

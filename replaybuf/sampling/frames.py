@@ -61,6 +61,7 @@ def stacked_observations(
     if host is None:
         window, real = stack_windows(start, obs_rows, k, core.links.prev_row)  # [B, k - 1 + P]
     else:  # the stack rows in numpy
+        assert host.prev_row is not None, "frame stacking keeps prev_row"
         window, real = stack_windows(start.numpy(), obs_rows.numpy(), k, host.prev_row)
         window, real = torch.from_numpy(window), torch.from_numpy(real)
     frames = core.slots.gather(window.reshape(-1), device, keys).reshape(window.shape)

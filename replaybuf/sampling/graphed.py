@@ -34,7 +34,9 @@ def graphed_nstep(
     """A uniform n-step batch by a graph's replay, or None where graphs do not apply (see
     :func:`_table`) or this key is not captured (yet)."""
     core, device = builder.core, builder.device
-    table = None if isinstance(n, tuple) else _table(core, graphs, device)
+    if isinstance(n, tuple):
+        return None
+    table = _table(core, graphs, device)
     if table is None:
         return None
     reward = core.slots.column(("reward",))

@@ -15,7 +15,7 @@ from replaybuf.sampling.common import keys_of, nstep_key_order
 from replaybuf.sampling.frames import HostStacks
 from replaybuf.sampling.nstep import host_gathers
 from replaybuf.sampling.view import EpisodeView
-from replaybuf.sampling.windows import NO_N, compiled_windows, host_rewards
+from replaybuf.sampling.windows import NO_N, KernelWindows, compiled_windows, host_rewards
 from replaybuf.storage import Key, build_tensordict
 
 
@@ -27,7 +27,7 @@ class _HostPlan(NamedTuple):
     steps: tuple[np.ndarray, ...]  # host views, gathered at the start (actions, extras)
     rewards: np.ndarray  # the 1-D reward column
     links: HostLinks  # the row links' host columns
-    windows: Callable[..., tuple[np.ndarray, ...]]  # kernels.nstep_windows
+    windows: Callable[..., KernelWindows]  # kernels.nstep_windows
     stack_rows: Callable[..., tuple[np.ndarray, np.ndarray]]  # kernels.stack_rows
     frame_stack: int | None  # the core's k
     zero_padding: bool  # the core's frame padding is "zero"
@@ -63,7 +63,15 @@ class HostNStep:
             k = plan.frame_stack
             rows, real = plan.stack_rows(w.ends, k, plan.links.prev_row)
             stacks = HostStacks(rows, real, k, plan.zero_padding)
-        values = host_gathers(plan.observations, plan.steps, w.ends, start, w.values(), stacks)
+        # The compiled windows are numpy arrays, though Windows types its fields as either kind.
+        values = host_gathers(
+            plan.observations,
+            plan.steps,
+            w.ends,  # type: ignore[arg-type]
+            start,
+            w.values(),
+            stacks,
+        )
         tensors = [torch.from_numpy(v) for v in values]
         return build_tensordict(plan.keys, tensors, batch_size, _CPU)
 

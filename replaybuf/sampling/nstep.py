@@ -123,7 +123,8 @@ def host_nstep_values(
     views = [core.slots.host_view(key) for key in obs_keys + step_keys]
     observed = len(obs_keys)
     values = host_gathers(views[:observed], views[observed:], ends, start.numpy(), info)  # type: ignore[arg-type]
-    return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]
+    # The values that are not numpy arrays are tensors already.
+    return [torch.from_numpy(v) if type(v) is np.ndarray else v for v in values]  # type: ignore[misc]
 
 
 def host_gathers(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -15,7 +18,7 @@ from replaybuf.core import (
     sequence_rows,
     sequence_rows_by_jumps,
 )
-from replaybuf.sampling.common import keys_of, tensor_of
+from replaybuf.sampling.common import Values, keys_of, tensor_of
 from replaybuf.sampling.frames import stacked_observations
 from replaybuf.sampling.padding import pad_copy, pad_in_place, zero_of
 from replaybuf.sampling.view import EpisodeView
@@ -131,6 +134,11 @@ def _walk(core: EpisodeView, start: torch.Tensor, length: int, full: bool) -> Wa
     runs; else in numpy for CPU storage, or in torch with jump tables (a walk of L links in
     ~log2(L) gathers: on CUDA kernel launches, not bytes, are what a walk costs)."""
     links, host = core.links, core.links.host
+    # Tensors, or numpy arrays on the host path until tensor_of at the end.
+    step_rows: Values
+    next_rows: Values
+    pad: Values
+    real: Values
     if host is None:
         walk = fused_sequences(start.unsqueeze(1), None, length, links, strict=False)
         if walk is not None:
@@ -157,7 +165,7 @@ def _walk(core: EpisodeView, start: torch.Tensor, length: int, full: bool) -> Wa
     if padded:  # False and -1 past the end
         real = mask.numpy() if host is not None else mask
         terminal, truncated = terminal & real, truncated & real
-        where = np.where if host is not None else torch.where
+        where: Callable[..., Any] = np.where if host is not None else torch.where
         step, episode = where(real, step, -1), where(real, episode, -1)
     else:  # its own array (a caller may write into a batch)
         episode = episode.copy() if host is not None else episode.clone()

@@ -40,6 +40,12 @@ from replaybuf.sampling.view import EpisodeView
 HOST_REWARD = (np.float32, np.float64)
 NO_N = np.empty(0, np.int64)  # the kernel's "every anchor walks n_max"
 Stacks = tuple[torch.Tensor, torch.Tensor]  # stack rows [N, k] and which are real frames
+# The compiled kernel's nine results: ends, reward, terminal, truncated, cut, next_discount,
+# actual_n, start_step, episode_id (the fields of Windows but stacks).
+KernelWindows = tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+    np.ndarray, np.ndarray,
+]  # fmt: skip
 
 
 class Windows(NamedTuple):
@@ -84,7 +90,7 @@ class WindowMath(Protocol):
 
 
 def compiled_windows(
-    kernel: Callable[..., tuple[np.ndarray, ...]],
+    kernel: Callable[..., KernelWindows],
     start: np.ndarray,
     n_each: np.ndarray,
     n_max: int,
@@ -155,13 +161,18 @@ class HostWindows:
                 gamma,
             )
         at = start.numpy()
-        each = n_each if isinstance(n_each, int) else n_each.numpy()
-        w = nstep_windows(at, each, n_max, host.succ, host.end_kind)
+        host_each = n_each if isinstance(n_each, int) else n_each.numpy()
+        # w's fields are numpy arrays here; core.index.Windows types them as either kind.
+        w = nstep_windows(at, host_each, n_max, host.succ, host.end_kind)
         if rewards is not None:
-            reward = window_return(rewards[w.rows[:n_max]], w.valid, gamma)
+            reward = window_return(
+                rewards[w.rows[:n_max]],
+                w.valid,  # type: ignore[type-var]
+                gamma,
+            )
         else:
             reward = _gathered_return(core, w.rows, w.valid, n_max, gamma)
-        discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)
+        discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)  # type: ignore[type-var]
         ends = np.concatenate([at, w.last_row])
         return Windows(
             ends, reward, w.terminal, w.truncated, w.cut, discount, w.m, host.step[at],
@@ -206,17 +217,18 @@ class DeviceWindows:
             start, n_each, n_max, gamma, links, reward_column, table, core.frame_stack, powers
         )
         if made is not None:
-            ends, values, stacks = made
-            return Windows(ends, *values, stacks=stacks)
+            ends, values, stacks = made  # values: the eight fields between ends and stacks
+            return Windows(ends, *values, stacks=stacks)  # type: ignore[misc, arg-type]
         if fused_only:
             raise NotCapturable("the fused n-step kernel does not apply")
         if table is not None:
             start = table.index_select(0, start)
+        # w's fields are tensors here; core.index.Windows types them as either kind.
         w = nstep_windows(start, n_each, n_max, links.succ, links.end_kind)
         reward = _gathered_return(core, w.rows, w.valid, n_max, gamma)
-        discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)
+        discount = bootstrap_discount(w.m, w.terminal, gamma, n_max)  # type: ignore[type-var]
         step, episode = links.step.index_select(0, start), links.episode.index_select(0, start)
-        ends = torch.cat([start, w.last_row])
+        ends = torch.cat([start, w.last_row])  # type: ignore[list-item]
         return Windows(ends, reward, w.terminal, w.truncated, w.cut, discount, w.m, step, episode)
 
     def stack_rows(self, rows: Values, k: int) -> tuple[Values, Values]:

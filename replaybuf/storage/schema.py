@@ -251,9 +251,10 @@ def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -
         if type(node) is dict:  # a subtree (leaves are tuples)
             if type(value) is not TensorDict and type(value) is not dict:
                 return None
-            rows = _match(value, node, batched, leaves, rows)
-            if rows is None:
+            matched = _match(value, node, batched, leaves, rows)
+            if matched is None:
                 return None
+            rows = matched
             continue
         key, shape, dtype = node
         if (
@@ -419,7 +420,9 @@ def _common_rows(leaves: Mapping[Key, torch.Tensor], what: str) -> int:
     distinct = set(sizes.values())
     if len(distinct) != 1:
         raise SchemaError(f"{what}: fields disagree on the batch dimension: {sizes}")
-    return int(distinct.pop())
+    size = distinct.pop()
+    assert size is not None  # 0-d fields were refused above
+    return int(size)
 
 
 def _kind(value: Any) -> str:

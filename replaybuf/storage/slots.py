@@ -119,7 +119,7 @@ class SlotStorage:
         self._index_known = 0
         self._flat_names = None
         self._direct = False
-        self.memory = None  # type: ignore[assignment]
+        self.memory = None
         self._stager.clear()
         if self._scratch is not None:
             self._scratch.remove()
@@ -232,18 +232,19 @@ class SlotStorage:
         buffers as :func:`row_words` views (``[slots.shape[0]`` or more rows, row words]), for
         the compiled scatter (:attr:`row_scatter`)."""
         if not self._direct:
-            rows = slots.shape[0]
-            self._write_through_torchrl(slots, build_tensordict(keys, values, rows, _CPU))
+            count = slots.shape[0]
+            self._write_through_torchrl(slots, build_tensordict(keys, values, count, _CPU))
             return
         if staged is not None and self._row_words is not None and self.row_scatter is not None:
             at = slots.numpy()
-            by_key = dict(zip(keys, staged, strict=True))
-            for key, column in self._row_words.items():
-                if column is not None:  # a field of no bytes has nothing to write
-                    rows = by_key[key]
-                    if rows.dtype != column.dtype:  # words of another width (an address)
-                        column, rows = column.view(np.uint8), rows.view(np.uint8)
-                    self.row_scatter(column, rows, at)
+            staged_by_key = dict(zip(keys, staged, strict=True))
+            for key, words in self._row_words.items():
+                if words is not None:  # a field of no bytes has nothing to write
+                    rows = staged_by_key[key]
+                    assert rows is not None  # staged as a view whenever the column has one
+                    if rows.dtype != words.dtype:  # words of another width (an address)
+                        words, rows = words.view(np.uint8), rows.view(np.uint8)
+                    self.row_scatter(words, rows, at)
             record_write(self.memory.storage, slots if last is None else last, slots)
             return
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
@@ -294,7 +295,7 @@ class SlotStorage:
     # ----------------------------------------------------------------- reads
     def gather(
         self,
-        slots: torch.Tensor,
+        slots: torch.Tensor | slice,
         device: torch.device,
         keys: Sequence[Key] | None = None,
         extra: dict[Key, torch.Tensor] | None = None,
@@ -315,7 +316,11 @@ class SlotStorage:
             views = [self._host_views.get(id(t)) for _, t in leaves]
             if all(view is not None for view in views):
                 at = slots.numpy()
-                values = [torch.from_numpy(view.take(at, axis=0)) for view in views]
+                # None of the views is None (checked just above), which mypy cannot follow.
+                values = [
+                    torch.from_numpy(view.take(at, axis=0))  # type: ignore[union-attr]
+                    for view in views
+                ]
             else:
                 values = [torch.index_select(t, 0, slots) for _, t in leaves]
         else:
@@ -416,6 +421,7 @@ class SlotStorage:
         """
         if rows == 0:
             return  # nothing stored: the storage stays lazy, as in a buffer never written to
+        assert self.spec is not None  # prepared by the caller
         if ring:  # allocate as the buffer's own first write does (ring: extend; else set)
             self.extend(self.spec.zeros(1))
         else:

@@ -68,6 +68,7 @@ class RowStager:
         if type(values[0]) is torch.Tensor:
             torch._foreach_copy_(self.slices(at, count), values)
         else:
+            assert self.arrays is not None  # numpy values come only with numpy views (RowPlan)
             for column, value in zip(self.arrays, values, strict=True):
                 column[at : at + count] = value
         self.rows.extend(rows)

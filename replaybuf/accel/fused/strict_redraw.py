@@ -22,7 +22,7 @@ class Redraw(NamedTuple):
     count and the Philox key."""
 
     rounds: torch.Tensor
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, which nothing calls
     seed: int
 
 

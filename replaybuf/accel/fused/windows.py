@@ -161,7 +161,9 @@ def nstep_windows(
     flags = torch.empty(3 * batch + 2 * batch * k, dtype=torch.uint8, device=device)
     discount = torch.empty(batch, dtype=torch.float32, device=device)
     if batch:
-        n_column = n_each.contiguous() if per_sample else start  # unread without PER_SAMPLE
+        # start is unread without PER_SAMPLE. n_each is a tensor when per_sample, a test mypy
+        # cannot follow through the flag.
+        n_column = n_each.contiguous() if per_sample else start  # type: ignore[union-attr]
         reward_powers, discounts = powers or (
             torch_reward_powers(gamma, n_max, rewards.dtype, device),
             discount_powers(gamma, n_max, device),

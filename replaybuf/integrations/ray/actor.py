@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 from tensordict import TensorDict
@@ -49,7 +49,7 @@ _CALLS = frozenset(
 class _Epoch:
     """An epoch iterator kept in the actor between a client's ``epochs_next`` calls."""
 
-    batches: AsyncIterator[TensorDict]
+    batches: AsyncGenerator[TensorDict, None]
     lock: asyncio.Lock
 
 
@@ -93,7 +93,10 @@ class _BufferActor:
         """Start an epoch iterator and return its token for ``epochs_next``."""
         batches = self._live().iterate_epochs(batch_size, n_epochs, **kwargs)  # checks on 1st next
         token = next(self._tokens)
-        self._epochs[token] = _Epoch(batches, asyncio.Lock())
+        # An async generator (closed with aclose), though annotated as an async iterator.
+        self._epochs[token] = _Epoch(
+            cast("AsyncGenerator[TensorDict, None]", batches), asyncio.Lock()
+        )
         return token
 
     async def epochs_next(self, token: int) -> PackedBatch | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any, cast
 
 
 class PortableError(Exception):
@@ -36,7 +37,8 @@ def portable_errors() -> Iterator[None]:
         try:
             # What unpickling would do (an exception pickles as its __reduce__), without
             # unpickling anything: replaybuf never calls pickle.loads (test_checkpoint_format).
-            rebuild, args = error.__reduce__()[:2]
+            # An exception's __reduce__ is a tuple (object's may be a str).
+            rebuild, args = cast("tuple[Any, ...]", error.__reduce__())[:2]
             rebuild(*args)
         except Exception:
             raise PortableError(type(error), error.args, dict(vars(error))) from error

@@ -9,7 +9,7 @@ import inspect
 import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -102,7 +102,8 @@ class RemoteEpisodeReplayBuffer:
             if value is not None:
                 options[key] = value
         options.update(actor_options or {})
-        actor = RemoteBufferActor.options(**options).remote()
+        # Ray types the result as the handle or the class itself; it is the handle.
+        actor = cast(ActorHandle, RemoteBufferActor.options(**options).remote())
         kwargs = {"max_steps": max_steps, **buffer_kwargs}
         if max_episodes is not None:  # unset: open() takes a checkpoint's max_episodes as is
             kwargs["max_episodes"] = max_episodes

@@ -165,13 +165,15 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._segments_split = 0
 
     # ----------------------------------------------------------------- SB3's counters
+    # SB3's BaseBuffer declares pos and full as attributes it assigns; here they are derived
+    # from the add count, read-only (its __init__, which assigns them, is not called).
     @property
-    def pos(self) -> int:
+    def pos(self) -> int:  # type: ignore[override]
         """Where SB3's ring would write next: ``add`` calls so far modulo ``buffer_size``."""
         return self._adds % self.buffer_size
 
     @property
-    def full(self) -> bool:
+    def full(self) -> bool:  # type: ignore[override]
         """Whether SB3's ring would have wrapped: at least ``buffer_size`` ``add`` calls."""
         return self._adds >= self.buffer_size
 
@@ -234,8 +236,13 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # and a segment holds at most segment_steps steps; otherwise it ends (truncated) there.
         jumped = held.jumped(obs)
         full = [i for i in range(n) if pending[i] and length[i] >= seg and i not in jumped]
+        # Every env with a pending step has an episode in progress (mypy cannot narrow a list).
         for i in jumped + full:
-            buf.end_episode(self._episode[i], "truncated", torch.from_numpy(held.next_obs[i]))
+            buf.end_episode(
+                self._episode[i],  # type: ignore[arg-type]
+                "truncated",
+                torch.from_numpy(held.next_obs[i]),
+            )
             self._episode[i] = None
         self._discontinuities += len(jumped)
         self._segments_split += len(full)
@@ -243,9 +250,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             if self._episode[i] is None:
                 self._episode[i] = buf.start_episode(agent_id=f"env-{i}")
                 length[i] = 0
-        ids = list(self._episode)
+        ids = list(self._episode)  # none is None now (started just above)
         buf.append_batch(
-            ids, torch.from_numpy(obs), torch.from_numpy(action), torch.from_numpy(reward)
+            ids,  # type: ignore[arg-type]
+            torch.from_numpy(obs),
+            torch.from_numpy(action),
+            torch.from_numpy(reward),
         )
         ended = done.tolist()
         for i in range(n):
@@ -253,7 +263,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             pending[i] = not ended[i]
             if ended[i]:
                 status = "truncated" if truncated[i] else "terminated"
-                buf.end_episode(ids[i], status, torch.from_numpy(next_obs[i]))
+                buf.end_episode(
+                    ids[i],  # type: ignore[arg-type]
+                    status,
+                    torch.from_numpy(next_obs[i]),
+                )
                 self._episode[i] = None
         # Each env's newest transition, held aside until the next add stores its next obs.
         held.keep(obs, next_obs, action, reward, done)
@@ -303,8 +317,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         obs, next_obs = fields["obs"], fields["next_obs"]
         reward = fields["reward"].to(torch.float32).reshape(-1, 1)
         if env is not None:
-            obs = torch.from_numpy(self._normalize_obs(obs.cpu().numpy(), env))  # type: ignore[arg-type]
-            next_obs = torch.from_numpy(self._normalize_obs(next_obs.cpu().numpy(), env))  # type: ignore[arg-type]
+            obs = torch.from_numpy(self._normalize_obs(obs.cpu().numpy(), env))
+            next_obs = torch.from_numpy(self._normalize_obs(next_obs.cpu().numpy(), env))
             reward = torch.from_numpy(self._normalize_reward(reward.cpu().numpy(), env))
         discounts = None
         if multi:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Hashable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -182,7 +182,8 @@ class CollectorWriter:
         for segment in plan.segments:
             if not segment.ended and segment.written is not None:
                 tail = plan.next_observation[segment.written].clone()
-                self._open[segment.trajectory] = Open(segment.episode, tail)
+                # Written steps went into an episode, so its id is set.
+                self._open[segment.trajectory] = Open(cast(int, segment.episode), tail)
 
     def _finish(self, status: str) -> Generator[Call, Any, int]:
         if status not in STATUSES:

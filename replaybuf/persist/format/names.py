@@ -63,7 +63,8 @@ def check_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
         raise TypeError(
             f"tensors must be a mapping of name -> tensor, got {type(tensors).__name__}"
         )
-    items, folded = {}, {}
+    items: dict[str, torch.Tensor] = {}
+    folded: dict[str, str] = {}  # lower-cased name -> name
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not valid_name(name):
             raise ValueError(

@@ -183,13 +183,15 @@ def _read_tensor(fd: int, info: TensorInfo, out: torch.Tensor, verify: bool, tar
             if n == 0:
                 continue
             direct = chunk.device.type == "cpu" and chunk.is_contiguous()
-            if not direct:
+            if direct:
+                landing = chunk
+            else:
                 digest.wait()  # the staging buffer is about to be reused
                 if staging is None:
                     staging = torch.empty(
                         streams.CHUNK_BYTES, dtype=torch.uint8, pin_memory=out.is_cuda
                     )
-            landing = chunk if direct else staging[:n].view(info.dtype).view(chunk.shape)
+                landing = staging[:n].view(info.dtype).view(chunk.shape)
             data = streams.byte_view(landing)
             streams.pread_exact(fd, memoryview(data), offset, info)
             if info.dtype == torch.bool and bool((landing.view(torch.uint8) > 1).any()):
