@@ -161,7 +161,7 @@ class RingPersistence:
             )
         slots = SlotStorage(
             self.buffer_size,
-            kind=self.storage_kind,
+            kind=self._slots.kind,
             storing_device=self.storing_device,
             scratch_dir=self._scratch_dir,
         )
