@@ -20,28 +20,26 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replaybuf import SyncEpisodeReplayBuffer
 
 
 def knob(default, doc: str):
-    return field(default=default, metadata={"help": doc})
+    return dataclasses.field(default=default, metadata={"help": doc})
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     seed: int = knob(1, "seeds torch, the buffer's sampler and the envs")
     env_id: str = knob("Pendulum-v1", "gymnasium env (continuous actions in a box)")
-    device: str = knob("auto", "where batches and networks live ('auto' = cuda if available)")
+    device: str = knob("cuda" if torch.cuda.is_available() else "cpu", "for batches and networks")
     total_steps: int = knob(20_000, "env steps at most")
     learning_starts: int = knob(1_000, "random-action steps before the first gradient step")
     buffer_size: int = knob(100_000, "max_steps of the episode buffer")
@@ -53,28 +51,20 @@ class Args:
     q_lr: float = knob(1e-3, "Adam learning rate of the two Q-networks")
     policy_lr: float = knob(3e-4, "Adam learning rate of the policy and of the entropy weight")
     policy_frequency: int = knob(2, "gradient steps between policy (and alpha) updates")
-    autotune: bool = knob(True, "learn the entropy weight alpha towards -dim(action) entropy")
-    alpha: float = knob(0.2, "entropy weight when not autotuned (initial value otherwise)")
-    epochs_per_update: int = knob(
-        0,
-        "0: one sample_n_step batch per env step; k > 0: every `epoch_interval` env steps, "
-        "k epochs of iterate_epochs over the whole buffer",
-    )
-    epoch_interval: int = knob(1_000, "env steps between iterate_epochs sweeps (see above)")
+    alpha: float = knob(0.2, "the entropy weight's initial value (learned towards -dim(action))")
+    epochs_per_update: int = knob(0, "0: a sample_n_step batch per env step; k > 0: k epochs ...")
+    epoch_interval: int = knob(1_000, "... of iterate_epochs over the buffer every this many steps")
     eval_every: int = knob(1_000, "env steps between evaluations (and printed curve lines)")
     eval_episodes: int = knob(10, "deterministic-policy episodes per evaluation")
     target_return: float = knob(-250.0, "solved: the evaluation mean reaches this ...")
     solved_evals: int = knob(3, "... in this many evaluations in a row; then the run stops")
     out_dir: str = knob("", "folder for the PNG plot ('' = next to this file)")
-    threads: int = knob(1, "torch CPU threads")
 
 
 def parse_args() -> Args:
     """Every field of Args becomes a --flag (bools get --flag / --no-flag)."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
     for f in dataclasses.fields(Args):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         flag = "--" + f.name.replace("_", "-")
@@ -126,18 +116,15 @@ class Actor(nn.Module):
 
 def evaluate(args: Args, actor: Actor, device: torch.device) -> np.ndarray:
     """Returns of ``eval_episodes`` deterministic-policy episodes, played side by side."""
-    envs = [gym.make(args.env_id) for _ in range(args.eval_episodes)]
-    obs = [env.reset(seed=10_000 + args.seed + i)[0] for i, env in enumerate(envs)]
-    returns, running = np.zeros(len(envs)), list(range(len(envs)))
-    while running:
+    envs = gym.make_vec(args.env_id, args.eval_episodes, vectorization_mode="sync")
+    obs, _ = envs.reset(seed=10_000 + args.seed)  # env i: seed 10_000 + seed + i
+    returns, running = np.zeros(args.eval_episodes), np.ones(args.eval_episodes, dtype=bool)
+    while running.any():  # a finished env restarts: its next steps count for nothing
         with torch.no_grad():
-            batch = torch.from_numpy(np.stack([obs[i] for i in running])).to(device)
-            actions = actor(batch)[2].cpu().numpy()
-        for i, action in zip(list(running), actions, strict=True):
-            obs[i], reward, terminated, truncated, _ = envs[i].step(action)
-            returns[i] += reward
-            if terminated or truncated:
-                running.remove(i)
+            actions = actor(torch.from_numpy(obs).to(device))[2].cpu().numpy()
+        obs, reward, terminated, truncated, _ = envs.step(actions)
+        returns += np.where(running, reward, 0.0)
+        running &= ~(terminated | truncated)
     return returns
 
 
@@ -171,7 +158,7 @@ class SAC:
             # which Pendulum never reaches: its time limit is a truncation and bootstraps)
             target = batch["reward"] + batch["next_discount"] * next_v
         q1, q2 = self.critic(obs, action)
-        q_loss = F.mse_loss(q1, target) + F.mse_loss(q2, target)
+        q_loss = nn.functional.mse_loss(q1, target) + nn.functional.mse_loss(q2, target)
         self.q_optimizer.zero_grad()
         q_loss.backward()
         self.q_optimizer.step()
@@ -184,13 +171,12 @@ class SAC:
                 self.actor_optimizer.zero_grad()
                 actor_loss.backward()
                 self.actor_optimizer.step()
-                if self.args.autotune:
-                    with torch.no_grad():
-                        log_prob = self.actor(obs)[1]
-                    alpha_loss = -(self.log_alpha.exp() * (log_prob + self.target_entropy)).mean()
-                    self.alpha_optimizer.zero_grad()
-                    alpha_loss.backward()
-                    self.alpha_optimizer.step()
+                with torch.no_grad():  # the entropy weight alpha is learned too
+                    log_prob = self.actor(obs)[1]
+                alpha_loss = -(self.log_alpha.exp() * (log_prob + self.target_entropy)).mean()
+                self.alpha_optimizer.zero_grad()
+                alpha_loss.backward()
+                self.alpha_optimizer.step()
         with torch.no_grad():
             targets = self.critic_target.parameters()
             for p, p_target in zip(self.critic.parameters(), targets, strict=True):
@@ -216,10 +202,9 @@ def plot(args: Args, curve: list, episodes: list, path: Path) -> None:
 if __name__ == "__main__":
     args = parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # the fastest for these small networks
     torch.manual_seed(args.seed)
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = torch.device(args.device)
     env = gym.make(args.env_id)
     env.action_space.seed(args.seed)
     agent = SAC(args, env, device)
@@ -229,6 +214,7 @@ if __name__ == "__main__":
     with SyncEpisodeReplayBuffer(
         max_steps=args.buffer_size, device=device, storing_device="cpu", seed=args.seed
     ) as buf:
+        nstep = {"n": args.n_step, "gamma": args.gamma}
         obs, _ = env.reset(seed=args.seed)
         episode, episode_return = buf.start_episode(agent_id="pendulum"), 0.0
         for step in range(1, args.total_steps + 1):
@@ -251,14 +237,10 @@ if __name__ == "__main__":
             obs = next_obs
 
             if step > args.learning_starts and args.epochs_per_update == 0:
-                agent.update(buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma))
+                agent.update(buf.sample_n_step(args.batch_size, **nstep))
             elif step > args.learning_starts and step % args.epoch_interval == 0:
                 for batch in buf.iterate_epochs(
-                    args.batch_size,
-                    args.epochs_per_update,
-                    n=args.n_step,
-                    gamma=args.gamma,
-                    drop_last=True,
+                    args.batch_size, args.epochs_per_update, drop_last=True, **nstep
                 ):
                     agent.update(batch)
 
