@@ -176,18 +176,23 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
         """Record one step: the observation acted in, the action, the reward it earned."""
         # The lock inline, acquired and released by hand: a `with` block or a decorator
         # costs about twice as much, once per step.
-        self._lock.acquire()
+        lock = self._lock
+        lock.acquire()
         try:
             if self._closed:
                 self._check_open()
             core = self._core
-            episode = core.in_progress(episode_id, "append to")
+            # A plain int naming an episode in progress is a dict hit, inline (a call less per
+            # step); anything else gets in_progress's checks and messages.
+            episode = core.running.get(episode_id) if type(episode_id) is int else None
+            if episode is None:
+                episode = core.in_progress(episode_id, "append to")
             if core.append_one(episode, observation, action, reward, extras):
                 return
             row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
             core.append([episode], row)
         finally:
-            self._lock.release()
+            lock.release()
 
     def append_batch(
         self,

@@ -27,8 +27,12 @@ _ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemge
 
 def assign_row(core: EpisodeCore, episode: Episode) -> int:
     """A free row for one new step of ``episode``, linked after its previous step."""
-    # Not the property unless a batch run holds rows (a call less on the per-step path).
-    rows = episode.own if episode.run is None else episode.rows
+    if episode.run is not None:
+        # A step of its own ends the episode's lockstep run (a row handed out since the run's
+        # last batch: no later batch can repeat it), so its pending rows settle once, here,
+        # rather than through the ``rows`` property on every later step.
+        drop_run(core)
+    rows = episode.own
     row = core.free.pop()
     core._staged_meta += (row, episode.episode_id, len(rows), END_NONE, core.allocations)
     if rows:
