@@ -289,21 +289,22 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             order = (order + self._pointer) % self.buffer_size
         return order
 
-    @synchronized
     def sample_batch(self, batch_size: int) -> TensorDict:
         """``batch_size`` transitions drawn uniformly with replacement, on ``device``."""
-        self._require(batch_size)
-        if self._priorities is not None:
-            slots, weight = self._priorities.draw(batch_size, self._generator)
-            return self._slots.gather(
-                slots,
-                self.device,
-                extra=ring_keys(slots, weight, self._writes, self.buffer_size, self.device),
+        lock = self._lock  # inline, as the per-step appends: the sampling hot path
+        lock.acquire()
+        try:
+            self._require(batch_size)
+            if self._priorities is not None:
+                slots, weight = self._priorities.draw(batch_size, self._generator)
+                extra = ring_keys(slots, weight, self._writes, self.buffer_size, self.device)
+                return self._slots.gather(slots, self.device, extra=extra)
+            slots = torch.randint(
+                0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
             )
-        slots = torch.randint(
-            0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
-        )
-        return self._slots.gather(slots, self.device)
+            return self._slots.gather(slots, self.device)
+        finally:
+            lock.release()
 
     def as_dataset(
         self,
