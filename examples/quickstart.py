@@ -62,7 +62,7 @@ async def episodes() -> None:
         await buf.wait_for_steps(BATCH)
         batch = await buf.sample_n_step(BATCH, n=N, gamma=GAMMA)
         print(f"EpisodeReplayBuffer: {await buf.stats()}")
-        for key in ("start_step", "actual_n", "reward", "next_discount", "terminal", "truncated"):
+        for key in ("start_step", "actual_n", "reward", "next_discount", "terminated", "truncated"):
             print(f"  {key:<13} {batch[key][:6].tolist()}")
         sequences = await buf.sample_sequences(4, seq_len=8)
         print(

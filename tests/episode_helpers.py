@@ -111,7 +111,7 @@ def assert_nstep_row(batch: TensorDict, i: int, want: dict[str, Any]) -> None:
     while newest.dim() > 1:  # a frame stack: its newest frame
         newest = newest[-1]
     assert int(newest[0]) == e, f"{where}: window crossed episodes"
-    assert bool(batch["terminal"][i]) == want["terminal"], where
+    assert bool(batch["terminated"][i]) == want["terminated"], where
     assert bool(batch["truncated"][i]) == want["truncated"], where
     assert bool(batch["cut"][i]) == want["cut"], where
     assert math.isclose(float(batch["reward"][i]), want["reward"], rel_tol=1e-6, abs_tol=1e-6)
@@ -163,7 +163,7 @@ def assert_sequence_batch(batch: TensorDict, ref: ReferenceBuffer, length: int) 
             assert _same(batch["action"][b, k], w["action"])
             assert float(batch["reward"][b, k]) == w["reward"]
             assert _same(batch["next_observation"][b, k], w["next_observation"])
-            assert bool(batch["terminal"][b, k]) == w["terminal"]
+            assert bool(batch["terminated"][b, k]) == w["terminated"]
             assert bool(batch["truncated"][b, k]) == w["truncated"]
             if w["extras"] is not None:
                 for name, value in w["extras"].items():

@@ -169,7 +169,7 @@ class Program:
                 self.seen(b)
 
     def seen(self, batch) -> None:
-        self.ends_sampled |= bool((batch["terminal"] | batch["truncated"]).any())
+        self.ends_sampled |= bool((batch["terminated"] | batch["truncated"]).any())
 
     def check(self) -> None:
         assert_counts_agree(self.buf, self.ref)

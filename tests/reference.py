@@ -244,7 +244,7 @@ class ReferenceBuffer:
             "extras": e.extras[t],
             "reward": total,
             "next_observation": self.observation(episode_id, t + m),
-            "terminal": terminal,
+            "terminated": terminal,
             "truncated": truncated,
             "cut": m < n and not e.ended,
             "next_discount": 0.0 if terminal else math.pow(gamma, m),
@@ -269,7 +269,7 @@ class ReferenceBuffer:
                     "reward": e.rewards[s],
                     "extras": e.extras[s],
                     "next_observation": self.observation(episode_id, s + 1),
-                    "terminal": e.status == TERMINATED and s + 1 == e.steps,
+                    "terminated": e.status == TERMINATED and s + 1 == e.steps,
                     "truncated": e.status == TRUNCATED and s + 1 == e.steps,
                     "step": s,
                 }

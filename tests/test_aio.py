@@ -39,7 +39,7 @@ def check_rows_online(batch, gamma: float = GAMMA) -> None:
         assert (next_e, next_t) == (e, t + m), "window crossed episodes or skipped steps"
         want = sum(gamma**k * reward(e, t + k) for k in range(m))
         assert math.isclose(float(batch["reward"][i]), want, rel_tol=1e-6, abs_tol=1e-6)
-        terminal, truncated, cut = (bool(batch[k][i]) for k in ("terminal", "truncated", "cut"))
+        terminal, truncated, cut = (bool(batch[k][i]) for k in ("terminated", "truncated", "cut"))
         assert not (terminal and truncated)
         if terminal or truncated:
             assert is_final == 1

@@ -214,7 +214,7 @@ def test_cuda_and_cpu_storage_serve_the_same_n_step_values():
             matches = [w for w in matches if int(w["actual_n"]) == m and bool(w["cut"]) == cut]
             assert matches, (e, t, m, cut)
             want = matches[0]
-            for key in ("observation", "next_observation", "action", "terminal", "truncated"):
+            for key in ("observation", "next_observation", "action", "terminated", "truncated"):
                 assert torch.equal(batch[key][i], want[key]), (e, t, key)
             assert torch.allclose(batch["reward"][i], want["reward"], rtol=1e-6, atol=1e-6)
             assert torch.allclose(batch["next_discount"][i], want["next_discount"], rtol=1e-6)

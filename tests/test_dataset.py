@@ -75,8 +75,8 @@ def test_without_n_or_seq_len_an_episode_buffer_gives_one_step_transitions(episo
     assert (batch["actual_n"] == 1).all()
     assert torch.equal(batch["next_observation"][:, 1], batch["observation"][:, 1] + 1)
     assert torch.equal(
-        batch["next_discount"][~batch["terminal"]],
-        torch.full_like(batch["next_discount"][~batch["terminal"]], 0.99),
+        batch["next_discount"][~batch["terminated"]],
+        torch.full_like(batch["next_discount"][~batch["terminated"]], 0.99),
     )
 
 

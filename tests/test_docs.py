@@ -61,6 +61,7 @@ def test_snippet_runs_and_cleans_up(
 
 def test_quickstart_example_runs(tmp_path: Path) -> None:
     env = {**os.environ, "QUICKSTART_STEPS": "200", "TMPDIR": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py")],
         capture_output=True,

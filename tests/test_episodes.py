@@ -292,7 +292,7 @@ def test_numpy_python_and_nested_dict_inputs_round_trip(make):
         assert batch["h"][i].tolist() == [t, t + 1, t + 2]
         assert float(batch["reward"][i]) == pytest.approx(sum(0.5**k * (t + k) for k in range(m)))
         assert bool(batch["truncated"][i]) == (t + m == 3)
-        assert not bool(batch["terminal"][i])
+        assert not bool(batch["terminated"][i])
 
 
 def test_grad_requiring_expanded_and_strided_inputs_are_stored_detached(make):
@@ -557,7 +557,7 @@ def test_sequence_padding_marks_episode_id_and_step_minus_one(tmp_path):
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_sequence_batches_keep_their_key_order(tmp_path, strict):
-    """observation, action, reward, next_observation, terminal, truncated, step, episode_id,
+    """observation, action, reward, next_observation, terminated, truncated, step, episode_id,
     the extras (top-level, in their stored order), mask: padded or not."""
     with SyncEpisodeReplayBuffer(100, scratch_dir=tmp_path, seed=0) as buf:
         ep = buf.start_episode()
@@ -569,7 +569,7 @@ def test_sequence_batches_keep_their_key_order(tmp_path, strict):
         keys = list(buf.sample_sequences(2, 3, strict=strict).keys(True, True))
         assert keys == [
             ("observation", "a"), ("observation", "b"), "action", "reward",
-            ("next_observation", "a"), ("next_observation", "b"), "terminal", "truncated",
+            ("next_observation", "a"), ("next_observation", "b"), "terminated", "truncated",
             "step", "episode_id", "flag", "h", "mask",
         ]  # fmt: skip
 
@@ -608,7 +608,7 @@ def test_the_readme_worked_example_holds(tmp_path):
                 batch["actual_n"].tolist(),
                 batch["reward"].tolist(),
                 batch["next_observation"][:, 1].tolist(),
-                batch["terminal"].tolist(),
+                batch["terminated"].tolist(),
                 batch["truncated"].tolist(),
                 batch["cut"].tolist(),
                 batch["next_discount"].tolist(),

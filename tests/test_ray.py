@@ -162,7 +162,7 @@ def check_transitions(batch: TensorDict, lengths: dict[tuple[int, int], int], n:
         assert batch["next_observation"][i].tolist() == next_obs.tolist()
         expected = sum(GAMMA**k * (t + k) / 4 for k in range(m))
         assert float(batch["reward"][i]) == pytest.approx(expected, abs=1e-6)
-        assert bool(batch["terminal"][i]) == (ended and status(writer, episode) == "terminated")
+        assert bool(batch["terminated"][i]) == (ended and status(writer, episode) == "terminated")
 
 
 async def stored_steps(buf) -> Counter:

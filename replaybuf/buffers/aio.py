@@ -62,6 +62,7 @@ class EpisodeReplayBuffer:
         priority_backend: str = "auto",
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
+        layout: str = "replaybuf",
     ) -> None:
         self._attach(
             SyncEpisodeReplayBuffer(
@@ -80,6 +81,7 @@ class EpisodeReplayBuffer:
                 priority_backend=priority_backend,
                 frame_stack=frame_stack,
                 frame_stack_padding=frame_stack_padding,
+                layout=layout,
             )
         )
 
@@ -238,20 +240,32 @@ class EpisodeReplayBuffer:
 
     # ----------------------------------------------------------------- reads
     async def sample_n_step(
-        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+        self,
+        batch_size: int,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        *,
+        replace: bool = True,
+        layout: str | None = None,
     ) -> TensorDict:
-        return await self._call(self._sync.sample_n_step, batch_size, n, gamma, replace=replace)
+        return await self._call(
+            self._sync.sample_n_step, batch_size, n, gamma, replace=replace, layout=layout
+        )
 
     async def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True
+        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
     ) -> TensorDict:
-        return await self._call(self._sync.sample_sequences, batch_size, seq_len, strict=strict)
+        return await self._call(
+            self._sync.sample_sequences, batch_size, seq_len, strict=strict, layout=layout
+        )
 
-    async def get_episode(self, episode_id: int) -> TensorDict:
-        return await self._call(self._sync.get_episode, episode_id)
+    async def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:
+        return await self._call(self._sync.get_episode, episode_id, layout=layout)
 
-    async def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
-        return await self._call(self._sync.sample_episodes, k, replace=replace)
+    async def sample_episodes(
+        self, k: int, *, replace: bool = False, layout: str | None = None
+    ) -> list[TensorDict]:
+        return await self._call(self._sync.sample_episodes, k, replace=replace, layout=layout)
 
     async def update_priorities(self, index: Any, priority: Any) -> int:
         """See :meth:`SyncEpisodeReplayBuffer.update_priorities`."""
@@ -272,6 +286,7 @@ class EpisodeReplayBuffer:
         gamma: float = 0.99,
         shuffle: bool = True,
         drop_last: bool = False,
+        layout: str | None = None,
     ) -> AsyncIterator[TensorDict]:
         """Async n-step epoch batches; the next batch is prepared while the caller works.
 
@@ -332,10 +347,13 @@ class EpisodeReplayBuffer:
         seq_len: int | None = None,
         gamma: float | None = None,
         strict: bool = True,
+        layout: str | None = None,
     ) -> ReplayDataset:
         """The sync buffer's :meth:`SyncEpisodeReplayBuffer.as_dataset`; iterate it on the event
         loop's thread, or while no task uses the buffer."""
-        return self._sync.as_dataset(batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict)
+        return self._sync.as_dataset(
+            batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict, layout=layout
+        )
 
     # ----------------------------------------------------------------- lifecycle
     async def clear(self) -> None:

@@ -102,6 +102,7 @@ def as_dataset(
     seq_len: int | None = None,
     gamma: float | None = None,
     strict: bool = True,
+    layout: str | None = None,
 ) -> ReplayDataset:
     """An endless :class:`ReplayDataset` of ``batch_size`` batches sampled from ``buffer``.
 
@@ -118,7 +119,8 @@ def as_dataset(
             "buffer must be a ReplayBuffer, SyncEpisodeReplayBuffer or EpisodeReplayBuffer, "
             f"got {type(buffer).__name__}"
         )
-    return make(buffer, batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict)
+    kwargs = {} if layout is None else {"layout": layout}  # a ReplayBuffer has no layouts
+    return make(buffer, batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict, **kwargs)
 
 
 def check_dataset_args(batch_size: Any, strict: Any) -> int:

@@ -52,6 +52,7 @@ class EpisodePersistence:
     min_steps: int
     frame_stack: int | None
     frame_stack_padding: str
+    layout: str
     device: torch.device
     storing_device: torch.device
 
@@ -73,6 +74,7 @@ class EpisodePersistence:
             self.min_steps,
             self.frame_stack,
             self.frame_stack_padding,
+            self.layout,
             self.device,
             self.storing_device,
             self._core if core is None else core,

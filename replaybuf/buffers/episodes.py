@@ -9,9 +9,10 @@ buffer unchanged, under the buffer's lock, so threads may share it
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,9 @@ from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_gamma, check_n, int_at_least, positive_int
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
+from replaybuf.buffers.episode_epochs import EpisodeEpochs
 from replaybuf.buffers.episode_state import EpisodePersistence
 from replaybuf.buffers.locking import synchronized
-from replaybuf.core import epoch_batches, epoch_order
 from replaybuf.episodes import (
     STATUSES,
     EpisodeCore,
@@ -37,10 +38,12 @@ from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
     DeviceDraws,
     Paths,
+    check_layout,
     choose,
     episode_record,
     seed_key,
-    with_priority_keys,
+    torchrl_episode,
+    torchrl_transitions,
 )
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
 
@@ -48,7 +51,7 @@ KIND = "EpisodeReplayBuffer"
 _APPEND_ONE = "append_observation_action_reward"  # what errors of the one-step append name
 
 
-class SyncEpisodeReplayBuffer(EpisodePersistence):
+class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
     """Episodes written step by step, sampled as n-step transitions, sequences or episodes.
 
     Args:
@@ -89,6 +92,7 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
         priority_backend: str = "auto",
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
+        layout: str = "replaybuf",
     ) -> None:
         self._lock = threading.RLock()  # every public call runs under it (buffers.locking)
         self.max_steps = positive_int(max_steps, "max_steps")
@@ -99,6 +103,7 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
             None if max_episodes is None else positive_int(max_episodes, "max_episodes")
         )
         self.min_steps = int_at_least(min_steps, "min_steps", 0)
+        self.layout = check_layout(layout)
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
         kind = resolve_kind(storage, self.storing_device)
@@ -280,19 +285,31 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
 
     @synchronized
     def sample_n_step(
-        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+        self,
+        batch_size: int,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        *,
+        replace: bool = True,
+        layout: str | None = None,
     ) -> TensorDict:
         """``batch_size`` n-step transitions, uniform over valid steps (distinct if not replace).
 
-        With ``replace=False`` fewer are returned when fewer valid steps exist.
+        With ``replace=False`` fewer are returned when fewer valid steps exist. ``layout``:
+        ``"replaybuf"`` or ``"torchrl"`` (see :mod:`replaybuf.sampling.layout`; default: the
+        buffer's).
         """
         batch_size = positive_int(batch_size, "batch_size")
         n, gamma = check_n(n), check_gamma(gamma)
+        torchrl = self._torchrl(layout)
         self._require_steps("sample")
-        return self._chosen_paths().n_step(batch_size, n, gamma, replace)
+        batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
+        return torchrl_transitions(batch, gamma) if torchrl else batch
 
     @synchronized
-    def sample_sequences(self, batch_size: int, seq_len: int, *, strict: bool = True) -> TensorDict:
+    def sample_sequences(
+        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
+    ) -> TensorDict:
         """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
 
         ``strict=True`` starts only where ``seq_len`` steps fit (uniform over such starts);
@@ -300,68 +317,10 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
         """
         batch_size = positive_int(batch_size, "batch_size")
         seq_len = positive_int(seq_len, "seq_len")
+        torchrl = self._torchrl(layout)
         self._require_steps("sample sequences")
-        return self._chosen_paths().sequences(batch_size, seq_len, strict)
-
-    @synchronized
-    def iterate_epochs(
-        self,
-        batch_size: int,
-        n_epochs: int = 1,
-        *,
-        n: NArg = 1,
-        gamma: float = 0.99,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> Iterator[TensorDict]:
-        """n-step batches; each epoch yields every step valid at its start exactly once.
-
-        A step evicted after its epoch started is skipped (so a batch may come out short);
-        steps that become valid mid-epoch wait for the next epoch.
-        """
-        batch_size = positive_int(batch_size, "batch_size")
-        n_epochs = positive_int(n_epochs, "n_epochs")
-        n, gamma = check_n(n), check_gamma(gamma)
-        self._require_steps("iterate")
-        return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last)
-
-    def _epochs(
-        self, batch_size: int, n_epochs: int, n: NArg, gamma: float, shuffle: bool, drop_last: bool
-    ) -> Iterator[TensorDict]:
-        for _ in range(n_epochs):
-            with self._lock:  # each step under the lock, released before the yield
-                rows, owners, order = self._epoch_plan(shuffle)
-            for picks in epoch_batches(order, batch_size, drop_last):
-                with self._lock:
-                    batch = self._epoch_batch(rows[picks], owners[picks], n, gamma)
-                if batch is not None:
-                    yield batch
-
-    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The anchor rows valid now, their episodes, and the order an epoch visits them."""
-        self._check_open()
-        core = self._core
-        core.flush()
-        rows = core.anchors.snapshot()
-        owners = core.links.episode[rows]
-        order = epoch_order(
-            torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
-        )
-        return rows, owners, order
-
-    def _epoch_batch(
-        self, start: torch.Tensor, owner: torch.Tensor, n: NArg, gamma: float
-    ) -> TensorDict | None:
-        """The planned steps still stored in their episodes, as a batch (None if none is)."""
-        self._check_open()
-        core = self._core
-        core.flush()
-        still = core.anchors.contains(start) & (core.links.episode[start] == owner)
-        if not bool(still.any()):
-            return None
-        start = start[still]
-        batch = self._chosen_paths().builder.batch(start, n, gamma, self._generator)
-        return with_priority_keys(core, batch, start, None)
+        batch = self._chosen_paths().sequences(batch_size, seq_len, strict)
+        return torchrl_transitions(batch, None) if torchrl else batch
 
     @synchronized
     def update_priorities(self, index: Any, priority: Any) -> int:
@@ -385,17 +344,24 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
 
     # ----------------------------------------------------------------- episodes
     @synchronized
-    def get_episode(self, episode_id: int) -> TensorDict:
-        """The whole stored episode (see :func:`replaybuf.sampling.records.episode_record`)."""
+    def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:
+        """The whole stored episode (see :func:`replaybuf.sampling.records.episode_record`;
+        with ``layout="torchrl"``, its transitions: :func:`~replaybuf.sampling.layout.
+        torchrl_episode`)."""
+        torchrl = self._torchrl(layout)
         self._check_open()
         episode = self._core.live(episode_id, "get")
         self._core.flush()
-        return episode_record(self._core, episode, self.device)
+        record = episode_record(self._core, episode, self.device)
+        return torchrl_episode(record) if torchrl else record
 
     @synchronized
-    def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+    def sample_episodes(
+        self, k: int, *, replace: bool = False, layout: str | None = None
+    ) -> list[TensorDict]:
         """``k`` whole episodes drawn uniformly (distinct unless ``replace``; fewer if fewer)."""
         k = positive_int(k, "k")
+        torchrl = self._torchrl(layout)
         self._check_open()
         ids = list(self._core.episodes)
         if not ids:
@@ -409,10 +375,15 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
                 :k
             ]
         self._core.flush()
-        return [
+        records = [
             episode_record(self._core, self._core.episodes[ids[i]], self.device)
             for i in picks.tolist()
         ]
+        return [torchrl_episode(r) for r in records] if torchrl else records
+
+    def _torchrl(self, layout: str | None) -> bool:
+        """Whether a batch goes out in TorchRL's layout (``layout`` None: the buffer's)."""
+        return (self.layout if layout is None else check_layout(layout)) == "torchrl"
 
     # ----------------------------------------------------------------- introspection
     @synchronized
@@ -436,14 +407,23 @@ class SyncEpisodeReplayBuffer(EpisodePersistence):
         seq_len: int | None = None,
         gamma: float | None = None,
         strict: bool = True,
+        layout: str | None = None,
     ) -> ReplayDataset:
         """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
         n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
-        ``sample_sequences(batch_size, seq_len, strict=strict)`` (see
+        ``sample_sequences(batch_size, seq_len, strict=strict)``, in ``layout`` (see
         :mod:`replaybuf.buffers.dataset`)."""
         batch_size = check_dataset_args(batch_size, strict)
+        if layout is not None:
+            check_layout(layout)
         return episodes_dataset(
-            self.sample_n_step, self.sample_sequences, batch_size, n, seq_len, gamma, strict
+            functools.partial(self.sample_n_step, layout=layout),
+            functools.partial(self.sample_sequences, layout=layout),
+            batch_size,
+            n,
+            seq_len,
+            gamma,
+            strict,
         )
 
     @synchronized

@@ -24,7 +24,7 @@ RETURNED_KEYS = frozenset(
         "action",
         "reward",
         "next_observation",
-        "terminal",
+        "terminal",  # the n-step flag's former name: still refused, to avoid confusion
         "truncated",
         "next_discount",
         "actual_n",
@@ -37,6 +37,11 @@ RETURNED_KEYS = frozenset(
         "weight",
         "terminated",
         "length",
+        # the "torchrl" layout's keys (replaybuf.sampling.layout)
+        "next",
+        "done",
+        "steps_to_next_obs",
+        "gamma",
     }
 )
 

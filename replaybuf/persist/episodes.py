@@ -60,7 +60,7 @@ from replaybuf.persist.ring import (
     row_tensor_names,
 )
 from replaybuf.persist.state import StateSource, state_of
-from replaybuf.sampling import DeviceDraws
+from replaybuf.sampling import LAYOUTS, DeviceDraws
 from replaybuf.storage import FieldSpec, Key, key_name
 
 if TYPE_CHECKING:
@@ -70,7 +70,15 @@ KIND = "EpisodeReplayBuffer"
 LINKS = SAVED  # the row links a state keeps (next_row, episode, step, end_kind, alloc)
 PRIORITY = "priority/weights"
 DRAWS = "sampler/device_draws"  # the device draws' key and round (replaybuf.accel.graphs)
-OVERRIDES = ("device", "storing_device", "storage", "scratch_dir", "min_steps", "priority_backend")
+OVERRIDES = (
+    "device",
+    "storing_device",
+    "storage",
+    "scratch_dir",
+    "min_steps",
+    "priority_backend",
+    "layout",
+)
 _STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
 
 
@@ -83,6 +91,7 @@ class EpisodeParts:
     min_steps: int
     frame_stack: int | None
     frame_stack_padding: str
+    layout: str  # the buffer's default batch layout
     device: torch.device
     storing_device: torch.device
     core: EpisodeCore
@@ -122,6 +131,7 @@ def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
         "min_steps": parts.min_steps,
         "frame_stack": parts.frame_stack,
         "frame_stack_padding": parts.frame_stack_padding,
+        "layout": parts.layout,
         "rows": parts.core.slots.capacity,
         "storage": parts.core.slots.kind,
         "device": str(parts.device),
@@ -187,6 +197,7 @@ def load(
             "storing_device": meta["storing_device"],
             "storage": meta["storage"],
             "min_steps": meta["min_steps"],
+            "layout": meta.get("layout", "replaybuf"),  # none in checkpoints made before it
             **_stacking(meta),
             **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
             **overrides,
@@ -230,6 +241,10 @@ def check(checkpoint: StateSource, where: str) -> Saved:
         meta_int(meta, "max_episodes", where, low=1)
     if meta.get("frame_stack") is not None:
         meta_int(meta, "frame_stack", where, low=1)
+    if meta.get("layout", "replaybuf") not in LAYOUTS:
+        raise CorruptCheckpointError(
+            f"{where}: meta 'layout' expected one of {LAYOUTS}, got {meta['layout']!r}"
+        )
     if _stacking(meta)["frame_stack_padding"] not in FRAME_PADDINGS:
         raise CorruptCheckpointError(
             f"{where}: meta 'frame_stack_padding' expected one of {FRAME_PADDINGS}, "

@@ -2,7 +2,19 @@
 
 from replaybuf.sampling.device_draws import DeviceDraws, seed_key
 from replaybuf.sampling.draws import with_priority_keys
+from replaybuf.sampling.layout import LAYOUTS, check_layout, torchrl_episode, torchrl_transitions
 from replaybuf.sampling.paths import Paths, choose
 from replaybuf.sampling.records import episode_record
 
-__all__ = ["DeviceDraws", "Paths", "choose", "episode_record", "seed_key", "with_priority_keys"]
+__all__ = [
+    "LAYOUTS",
+    "DeviceDraws",
+    "Paths",
+    "check_layout",
+    "choose",
+    "episode_record",
+    "seed_key",
+    "torchrl_episode",
+    "torchrl_transitions",
+    "with_priority_keys",
+]

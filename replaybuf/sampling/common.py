@@ -53,6 +53,6 @@ def nstep_key_order(obs_keys: tuple[Key, ...], step_keys: tuple[Key, ...]) -> tu
     for key in obs_keys:
         keys += [key, ("next_observation", *key[1:])]
     keys += [key[1:] if key[0] == "extras" else key for key in step_keys]  # extras: top-level
-    keys += [("reward",), ("terminal",), ("truncated",), ("cut",), ("next_discount",)]
+    keys += [("reward",), ("terminated",), ("truncated",), ("cut",), ("next_discount",)]
     keys += [("actual_n",), ("start_step",), ("episode_id",)]
     return tuple(keys)

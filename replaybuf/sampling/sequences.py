@@ -95,7 +95,7 @@ def sequence_values(
         key: value.reshape(batch, length, *value.shape[1:])
         for key, value in zip(step_keys, delivered, strict=False)
     }
-    # Key order: observation, action, reward, next_observation, terminal, truncated, step,
+    # Key order: observation, action, reward, next_observation, terminated, truncated, step,
     # episode_id, the extras (top-level keys), mask.
     now = [(key, pair[0]) for key, pair in zip(obs_keys, observations, strict=True)]
     after = [
@@ -117,7 +117,7 @@ def sequence_values(
             [(key, pad_in_place(value, pad, zero_of(value))) for key, value in group]
             for group in (acted, extras)
         )
-    ends = [(("terminal",), terminal), (("truncated",), truncated)]
+    ends = [(("terminated",), terminal), (("truncated",), truncated)]
     ids = [(("step",), step_id), (("episode_id",), episode_id)]
     keys, values = zip(*now, *acted, *after, *ends, *ids, *extras, (("mask",), mask), strict=True)
     return list(keys), list(values)

@@ -255,24 +255,36 @@ class RemoteEpisodeReplayBuffer:
 
     # ----------------------------------------------------------------- reads
     async def sample_n_step(
-        self, batch_size: int, n: NArg = 1, gamma: float = 0.99, *, replace: bool = True
+        self,
+        batch_size: int,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        *,
+        replace: bool = True,
+        layout: str | None = None,
     ) -> TensorDict:
         """``batch_size`` n-step transitions, delivered on this handle's device."""
-        return await self._call("sample_n_step", batch_size, n, gamma, replace=replace)
+        return await self._call(
+            "sample_n_step", batch_size, n, gamma, replace=replace, layout=layout
+        )
 
     async def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True
+        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
     ) -> TensorDict:
         """``[batch_size, seq_len]`` runs of steps, delivered on this handle's device."""
-        return await self._call("sample_sequences", batch_size, seq_len, strict=strict)
+        return await self._call(
+            "sample_sequences", batch_size, seq_len, strict=strict, layout=layout
+        )
 
-    async def get_episode(self, episode_id: int) -> TensorDict:
+    async def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:
         """One whole stored episode, time-major."""
-        return await self._call("get_episode", episode_id)
+        return await self._call("get_episode", episode_id, layout=layout)
 
-    async def sample_episodes(self, k: int, *, replace: bool = False) -> list[TensorDict]:
+    async def sample_episodes(
+        self, k: int, *, replace: bool = False, layout: str | None = None
+    ) -> list[TensorDict]:
         """``k`` whole episodes drawn uniformly."""
-        return await self._call("sample_episodes", k, replace=replace)
+        return await self._call("sample_episodes", k, replace=replace, layout=layout)
 
     async def iterate_epochs(
         self,
@@ -283,6 +295,7 @@ class RemoteEpisodeReplayBuffer:
         gamma: float = 0.99,
         shuffle: bool = True,
         drop_last: bool = False,
+        layout: str | None = None,
     ) -> AsyncIterator[TensorDict]:
         """``async for`` n-step epoch batches; the next one is fetched while the caller works.
 
@@ -291,7 +304,8 @@ class RemoteEpisodeReplayBuffer:
         """
         what = "iterate_epochs"
         self._check_usable(what)
-        options = {"n": n, "gamma": gamma, "shuffle": shuffle, "drop_last": drop_last}
+        options: dict[str, Any] = {"n": n, "gamma": gamma, "shuffle": shuffle}
+        options.update(drop_last=drop_last, layout=layout)
         ref = self._actor.epochs_open.remote(batch_size, n_epochs, **options)
         token = await self._await(what, ref)
         pending = None

@@ -25,7 +25,7 @@ def stored_fields(
         "obs": obs,
         "action": batch.get("action"),
         "next_obs": batch.get("next_observation"),
-        "done": batch.get("terminal"),
+        "done": batch.get("terminated"),
         "reward": batch.get("reward"),
         "steps": batch.get("actual_n"),
     }

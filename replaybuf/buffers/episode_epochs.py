@@ -1,0 +1,109 @@
+"""An episode buffer's epochs: every step valid at an epoch's start, once, as n-step batches.
+
+A part of :class:`~replaybuf.buffers.episodes.SyncEpisodeReplayBuffer` (which inherits it),
+kept apart so that each module holds one concern. Each epoch is planned from the anchors
+stored when it starts; each batch is built under the buffer's lock, released before the batch
+is handed over, so writers and other threads go on between batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDict
+
+from replaybuf.args import NArg, check_gamma, check_n, positive_int
+from replaybuf.buffers.locking import synchronized
+from replaybuf.core import epoch_batches, epoch_order
+from replaybuf.episodes import EpisodeCore
+from replaybuf.sampling import Paths, torchrl_transitions, with_priority_keys
+
+
+class EpisodeEpochs:
+    """Epoch iterators of a :class:`SyncEpisodeReplayBuffer` (its base class)."""
+
+    # What the buffer provides (set in SyncEpisodeReplayBuffer.__init__).
+    _lock: Any
+    _core: EpisodeCore
+    _generator: torch.Generator
+
+    if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
+
+        def _check_open(self) -> None: ...
+
+        def _require_steps(self, what: str) -> None: ...
+
+        def _torchrl(self, layout: str | None) -> bool: ...
+
+        def _chosen_paths(self) -> Paths: ...
+
+    @synchronized
+    def iterate_epochs(
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        n: NArg = 1,
+        gamma: float = 0.99,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        layout: str | None = None,
+    ) -> Iterator[TensorDict]:
+        """n-step batches; each epoch yields every step valid at its start exactly once.
+
+        A step evicted after its epoch started is skipped (so a batch may come out short);
+        steps that become valid mid-epoch wait for the next epoch.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        n_epochs = positive_int(n_epochs, "n_epochs")
+        n, gamma = check_n(n), check_gamma(gamma)
+        torchrl = self._torchrl(layout)
+        self._require_steps("iterate")
+        return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last, torchrl)
+
+    def _epochs(
+        self,
+        batch_size: int,
+        n_epochs: int,
+        n: NArg,
+        gamma: float,
+        shuffle: bool,
+        drop_last: bool,
+        torchrl: bool,
+    ) -> Iterator[TensorDict]:
+        for _ in range(n_epochs):
+            with self._lock:  # each step under the lock, released before the yield
+                rows, owners, order = self._epoch_plan(shuffle)
+            for picks in epoch_batches(order, batch_size, drop_last):
+                with self._lock:
+                    batch = self._epoch_batch(rows[picks], owners[picks], n, gamma)
+                if batch is not None:
+                    yield torchrl_transitions(batch, gamma) if torchrl else batch
+
+    def _epoch_plan(self, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The anchor rows valid now, their episodes, and the order an epoch visits them."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        rows = core.anchors.snapshot()
+        owners = core.links.episode[rows]
+        order = epoch_order(
+            torch.arange(rows.shape[0], device=rows.device), shuffle, self._generator
+        )
+        return rows, owners, order
+
+    def _epoch_batch(
+        self, start: torch.Tensor, owner: torch.Tensor, n: NArg, gamma: float
+    ) -> TensorDict | None:
+        """The planned steps still stored in their episodes, as a batch (None if none is)."""
+        self._check_open()
+        core = self._core
+        core.flush()
+        still = core.anchors.contains(start) & (core.links.episode[start] == owner)
+        if not bool(still.any()):
+            return None
+        start = start[still]
+        batch = self._chosen_paths().builder.batch(start, n, gamma, self._generator)
+        return with_priority_keys(core, batch, start, None)
