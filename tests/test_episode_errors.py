@@ -108,7 +108,7 @@ BAD_CALLS = [
     ("observation numpy dtype", lambda b: append(b, observation=np.zeros(3, dtype=np.int32)),
      SchemaError, "expected dtype torch.float32, got torch.int32"),
     ("observation string", lambda b: append(b, observation="abc"), TypeError,
-     "field 'observation' expected a tensor, array or number, got str"),
+     "field 'observation' expected a tensor, array, number or list of numbers, got str"),
     ("action shape", lambda b: append(b, action=torch.zeros(2, dtype=torch.int64)),
      SchemaError, "field 'action' expected shape \\[\\], got \\[2\\]"),
     ("action lossy float", lambda b: append(b, action=0.5), SchemaError,

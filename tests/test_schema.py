@@ -13,7 +13,8 @@ from replay_helpers import ids_of, rows, transition, unchanged
 from tensordict import TensorDict
 
 from replaybuf import Field, FieldSpec, ReplayBuffer, SchemaError
-from replaybuf.storage.schema import storable, to_leaves
+from replaybuf.storage.convert import to_leaves
+from replaybuf.storage.schema import storable
 
 
 def _row() -> dict:
@@ -170,16 +171,29 @@ def test_add_of_a_batched_tensordict_raises_and_points_to_add_batch(filled):
     [
         ([1, 2, 3], r"add: expected a TensorDict or a dict of tensors, got list"),
         (torch.zeros(4), r"add: expected a TensorDict or a dict of tensors, got Tensor"),
-        (_with(_row(), obs="abc"), r"field 'obs' expected a tensor, array or number, got str"),
-        (_with(_row(), obs=[0.0, 0.0, 0.0, 0.0]), r"field 'obs' expected .* got list"),
+        (_with(_row(), obs="abc"), r"'obs' expected a tensor, array, number or list of num"),
+        (_with(_row(), obs=["a", 0.0, 0.0, 0.0]), r"field 'obs' expected .* got list"),
         ({**_row(), 3: torch.zeros(1)}, r"field names must be str, got 3"),
         (_with(_row(), obs=np.array([None] * 4)), r"field 'obs' is an object array"),
     ],
-    ids=["list", "bare tensor", "string value", "list value", "int key", "object array"],
+    ids=["list", "bare tensor", "string value", "list of text", "int key", "object array"],
 )
 def test_add_of_an_unsupported_type_raises_type_error_and_changes_nothing(filled, data, message):
     with unchanged(filled), pytest.raises(TypeError, match=message):
         filled.add(data)
+
+
+def test_lists_of_numbers_are_taken_as_the_tensors_of_their_shape(filled):
+    """A (nested) Python list of numbers goes wherever a tensor of its shape goes, in the
+    field's dtype; a list that is no tensor, or holds what the dtype cannot, is refused."""
+    before = len(filled)
+    filled.add(_with(_row(), obs=[1.0, 2.0, 3.0, 4.0]))
+    assert len(filled) == before + 1
+    assert filled.sample_all()["obs"][-1].tolist() == [1.0, 2.0, 3.0, 4.0]
+    with unchanged(filled), pytest.raises(SchemaError, match="'obs' is a list that is no tensor"):
+        filled.add(_with(_row(), obs=[[1.0], [2.0, 3.0]]))
+    with unchanged(filled), pytest.raises(SchemaError, match="'obs' expected shape"):
+        filled.add(_with(_row(), obs=[1.0, 2.0]))
 
 
 def test_first_write_with_disagreeing_batch_dims_leaves_the_buffer_empty(make_buffer, storage):
@@ -325,7 +339,7 @@ FLAT_CASES = {
     "python number": _with(_flat(), reward=1.0),
     "meta tensor": _with(_flat(), obs=torch.zeros(3, 4, device="meta")),
     "sparse tensor": _with(_flat(), reward=torch.ones(3).to_sparse()),  # not the first field
-    "list value": _with(_flat(), obs=[[0.0] * 4] * 3),
+    "ragged list value": _with(_flat(), obs=[[0.0] * 4, [0.0] * 3, [0.0] * 4]),
     "string value": _with(_flat(), obs="abc"),
     "object array": _with(_flat(), obs=np.array([[None] * 4] * 3)),
     "int key": {**_flat(), 3: torch.zeros(3)},

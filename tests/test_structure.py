@@ -26,7 +26,7 @@ LAYERS = [
     ("sampling",),
     ("persist",),
     ("buffers",),
-    ("integrations", "collect", "cli", "__main__", ""),
+    ("integrations", "compat", "collect", "cli", "__main__", ""),
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500

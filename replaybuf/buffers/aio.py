@@ -63,6 +63,8 @@ class EpisodeReplayBuffer:
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
         layout: str = "replaybuf",
+        spec: Any = None,
+        ragged: str = "nested",
     ) -> None:
         self._attach(
             SyncEpisodeReplayBuffer(
@@ -82,6 +84,8 @@ class EpisodeReplayBuffer:
                 frame_stack=frame_stack,
                 frame_stack_padding=frame_stack_padding,
                 layout=layout,
+                spec=spec,
+                ragged=ragged,
             )
         )
 
@@ -276,6 +280,9 @@ class EpisodeReplayBuffer:
 
     async def stats(self) -> dict[str, Any]:
         return await self._call(self._sync.stats)
+
+    async def episode_ids(self) -> list[int]:
+        return await self._call(self._sync.episode_ids)
 
     async def iterate_epochs(
         self,

@@ -53,6 +53,7 @@ class EpisodePersistence:
     frame_stack: int | None
     frame_stack_padding: str
     layout: str
+    ragged: str
     device: torch.device
     storing_device: torch.device
 
@@ -75,6 +76,7 @@ class EpisodePersistence:
             self.frame_stack,
             self.frame_stack_padding,
             self.layout,
+            self.ragged,
             self.device,
             self.storing_device,
             self._core if core is None else core,

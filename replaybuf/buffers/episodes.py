@@ -39,6 +39,7 @@ from replaybuf.sampling import (
     DeviceDraws,
     Paths,
     check_layout,
+    check_ragged_form,
     choose,
     episode_record,
     seed_key,
@@ -71,6 +72,15 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             Append single frames (not stacks); every observation leaf is stacked.
         frame_stack_padding: frames before an episode's first: ``"reset"`` repeats the first
             frame (gymnasium ``FrameStackObservation``'s default), ``"zero"`` gives zeros.
+        layout: batches' default layout, ``"replaybuf"`` or ``"torchrl"``
+            (:mod:`replaybuf.sampling.layout`).
+        spec: fields declared up front, all or some of them (:meth:`FieldSpec.declare`): a
+            dict such as ``{"observation": {"prompt": "text", "tokens": Field.ragged()},
+            "extras": {"tool_call": "json"}}``. Undeclared fields take the first step's
+            shapes; a ``str``, ``bytes`` or JSON-like value is inferred as text, bytes or JSON.
+        ragged: how ragged fields come out of n-step batches and episodes: ``"nested"`` (a
+            ``torch.nested`` jagged tensor) or ``"padded"`` (zero-padded, with a
+            ``<name>_length`` entry). Sequences are always padded.
     """
 
     @NORMAL_TENSORS
@@ -93,9 +103,13 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         frame_stack: int | None = None,
         frame_stack_padding: str = "reset",
         layout: str = "replaybuf",
+        spec: Any = None,
+        ragged: str = "nested",
     ) -> None:
         self._lock = threading.RLock()  # every public call runs under it (buffers.locking)
         self.max_steps = positive_int(max_steps, "max_steps")
+        self._declared = None if spec is None else FieldSpec.declare(spec)
+        self.ragged = check_ragged_form(ragged)
         self.frame_stack, self.frame_stack_padding = check_frame_stack(
             frame_stack, frame_stack_padding
         )
@@ -134,7 +148,12 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
         )
         core = EpisodeCore(
-            slots, self.max_steps, self.max_episodes, self.frame_stack, self.frame_stack_padding
+            slots,
+            self.max_steps,
+            self.max_episodes,
+            self.frame_stack,
+            self.frame_stack_padding,
+            self._declared,
         )
         core.priorities = priorities
         return core
@@ -269,7 +288,9 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
     # ----------------------------------------------------------------- sampling
     def _chosen_paths(self) -> Paths:
         """The sampling paths for this buffer's configuration (:mod:`replaybuf.sampling.paths`)."""
-        self._paths = choose(self._core, self.device, self._generator, self._draws, self._paths)
+        self._paths = choose(
+            self._core, self.device, self._generator, self._draws, self._paths, self.ragged
+        )
         return self._paths
 
     def _require_steps(self, what: str) -> None:
@@ -352,7 +373,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         self._check_open()
         episode = self._core.live(episode_id, "get")
         self._core.flush()
-        record = episode_record(self._core, episode, self.device)
+        record = episode_record(self._core, episode, self.device, self.ragged)
         return torchrl_episode(record) if torchrl else record
 
     @synchronized
@@ -376,7 +397,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             ]
         self._core.flush()
         records = [
-            episode_record(self._core, self._core.episodes[ids[i]], self.device)
+            episode_record(self._core, self._core.episodes[ids[i]], self.device, self.ragged)
             for i in picks.tolist()
         ]
         return [torchrl_episode(r) for r in records] if torchrl else records
@@ -425,6 +446,12 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             gamma,
             strict,
         )
+
+    @synchronized
+    def episode_ids(self) -> list[int]:
+        """The ids of the stored episodes (evicted ones are gone), in start order."""
+        self._check_open()
+        return sorted(self._core.episodes, key=lambda e: self._core.episodes[e].seq)
 
     @synchronized
     def clear(self) -> None:

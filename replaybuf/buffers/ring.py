@@ -26,13 +26,14 @@ from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transit
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
 from replaybuf.buffers.ring_state import RingPersistence
-from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.errors import BufferClosedError, EmptyBufferError, SchemaError
 from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
 from replaybuf.storage import (
     NORMAL_TENSORS,
     FieldSpec,
     Key,
     SlotStorage,
+    key_name,
     resolve_device,
     resolve_kind,
     to_leaves,
@@ -98,6 +99,13 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             else None
         )
         self._declared = None if spec is None else FieldSpec.declare(spec)
+        if self._declared is not None and self._declared.ragged_keys:
+            key = key_name(self._declared.ragged_keys[0])
+            raise SchemaError(
+                f"spec field {key!r} expected a fixed-shape field, got "
+                f"{self._declared[self._declared.ragged_keys[0]].describe()}: ragged and "
+                "non-tensor fields are stored by the episode buffers"
+            )
         self._scratch_dir = scratch_dir  # where this buffer's storage keeps its memmap files
         self._slots = SlotStorage(
             capacity, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir

@@ -7,13 +7,14 @@ fields a zero-step episode's final observation fixed), raising the precise error
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from replaybuf.errors import SchemaError
-from replaybuf.storage import FieldSpec, Key, to_leaves
+from replaybuf.storage import Field, FieldSpec, Key, Leaf, Ragged, to_leaves
 
 _CPU = torch.device("cpu")  # host bookkeeping lives here, whatever torch's default device
 _NUMBERS = (bool, int, float, np.number, np.bool_)
@@ -54,7 +55,8 @@ def step_rows(
     spec: FieldSpec | None,
     first_obs_spec: FieldSpec | None,
     frame_stack: int | None,
-) -> dict[Key, torch.Tensor]:
+    declared: FieldSpec | None = None,
+) -> dict[Key, Any]:
     """The checked rows (``[rows, ...]`` per key) of appended steps.
 
     Args:
@@ -66,6 +68,7 @@ def step_rows(
         spec: the buffer's field spec (None until the first step fixes it).
         first_obs_spec: observation fields a zero-step episode's final observation fixed.
         frame_stack: the buffer's ``frame_stack`` (a stacked observation's error says so).
+        declared: fields declared up front (``spec=``), which the first step's values take.
     """
     if extras is not None:
         if not isinstance(extras, dict):
@@ -79,7 +82,14 @@ def step_rows(
         # A first reward of 0 must not make every later reward an int: numbers are float32.
         data["reward"] = torch.tensor(float(reward), dtype=torch.float32, device=_CPU)
     dims = 1 if batched else 0
-    row = to_leaves(data, batched=batched, what=what, spec=spec)
+    row = to_leaves(
+        data,
+        batched=batched,
+        what=what,
+        spec=spec,
+        ragged=frame_stack is None,
+        declared=declared,
+    )
     if spec is not None:
         check_fields(spec, row, dims, what, frame_stack)
     elif first_obs_spec is not None:
@@ -96,9 +106,17 @@ def final_observation_leaves(
     spec: FieldSpec | None,
     first_obs_spec: FieldSpec | None,
     frame_stack: int | None,
-) -> dict[Key, torch.Tensor]:
+    declared: FieldSpec | None = None,
+) -> dict[Key, Any]:
     """The checked leaves of a final observation (one step, no batch dimension)."""
-    obs = to_leaves({"observation": final_observation}, batched=False, what=what, spec=spec)
+    obs = to_leaves(
+        {"observation": final_observation},
+        batched=False,
+        what=what,
+        spec=spec,
+        ragged=frame_stack is None,
+        declared=declared,
+    )
     if spec is None:
         if first_obs_spec is not None:
             check_fields(first_obs_spec, obs, 0, what, frame_stack)
@@ -108,18 +126,25 @@ def final_observation_leaves(
     return obs
 
 
-def zero_fields(spec: FieldSpec) -> dict[Key, torch.Tensor]:
-    """Zeros for every field but the observation's: what a final-observation row holds there."""
+def zero_fields(spec: FieldSpec) -> dict[Key, Any]:
+    """Zeros for every field but the observation's (a ragged one: no values): what a
+    final-observation row holds there."""
     return {
-        k: torch.zeros(f.shape, dtype=f.dtype, device=_CPU)
+        k: _no_values(f) if f.is_ragged else torch.zeros(f.shape, dtype=f.dtype, device=_CPU)
         for k, f in spec.items()
         if k[0] != "observation"
     }
 
 
+def _no_values(field: Field) -> Ragged:
+    """One row of a ragged field holding no values."""
+    empty = torch.empty((0, *field.shape), dtype=field.dtype)
+    return Ragged(empty, torch.zeros(1, dtype=torch.long), field.kind)
+
+
 def check_fields(
     spec: FieldSpec,
-    leaves: dict[Key, torch.Tensor],
+    leaves: Mapping[Key, Leaf],
     dims: int,
     what: str,
     frame_stack: int | None,
@@ -132,6 +157,7 @@ def check_fields(
         stacked = k is not None and any(
             key in spec
             and key[0] == "observation"
+            and isinstance(value, torch.Tensor)
             and tuple(value.shape[dims:]) == (k, *spec[key].shape)
             for key, value in leaves.items()
         )

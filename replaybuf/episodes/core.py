@@ -34,7 +34,9 @@ own module beside it:
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -60,7 +62,17 @@ from replaybuf.episodes.staging import (
 )
 from replaybuf.errors import EpisodeStateError
 from replaybuf.priority import Prioritizer
-from replaybuf.storage import FieldSpec, Key, RowPlan, RowStager, SlotStorage, nest
+from replaybuf.storage import (
+    Field,
+    FieldSpec,
+    Key,
+    Leaf,
+    Ragged,
+    RowPlan,
+    RowStager,
+    SlotStorage,
+    nest,
+)
 
 _EPISODE_ID_TYPES = (int, np.integer)
 
@@ -75,8 +87,10 @@ class EpisodeCore:
         max_episodes: int | None,
         frame_stack: int | None = None,
         frame_padding: str = "reset",
+        declared: FieldSpec | None = None,
     ) -> None:
         self.slots = slots
+        self.declared = declared  # fields declared up front (spec=), all or some of them
         self.max_steps = max_steps
         self.max_episodes = max_episodes
         self.frame_stack = frame_stack  # None: observations are returned as stored
@@ -91,6 +105,7 @@ class EpisodeCore:
         self.kernels = host_kernels if device.type == "cpu" else None
         if self.kernels is not None:  # rows of interleaved episodes land all over the columns
             slots.row_scatter = self.kernels.scatter_rows
+        slots.rows_hint = self.rows_when_full
         self.links = RowLinks(
             capacity, device, backward=frame_stack is not None, kernels=host_kernels
         )
@@ -186,13 +201,13 @@ class EpisodeCore:
         """The checked rows (``[rows, ...]`` per key) of appended steps; see :meth:`append`."""
         data = {"observation": observation, "action": action, "reward": reward}
         spec, first, k = self.slots.spec, self._first_obs_spec, self.frame_stack
-        return step_rows(data, extras, batched, what, spec, first, k)
+        return step_rows(data, extras, batched, what, spec, first, k, self.declared)
 
-    def final_row_data(self, final_observation: Any, what: str) -> dict[Key, torch.Tensor]:
+    def final_row_data(self, final_observation: Any, what: str) -> dict[Key, Leaf]:
         """A final-observation row: the observation, with action/reward/extras zero-filled."""
         spec = self.slots.spec
         obs = final_observation_leaves(
-            final_observation, what, spec, self._first_obs_spec, self.frame_stack
+            final_observation, what, spec, self._first_obs_spec, self.frame_stack, self.declared
         )
         if spec is None:
             return obs
@@ -226,6 +241,14 @@ class EpisodeCore:
         self.next_seq += 1
         return episode_id
 
+    def rows_when_full(self) -> int:
+        """The rows a full buffer holds: ``max_steps`` steps and a final row for each episode
+        that ended, at the mean length of the episodes stored now (at most the rows kept)."""
+        holding = sum(1 for e in self.episodes.values() if e.steps)
+        mean = self.steps / holding if holding else 1.0
+        finals = math.ceil(self.max_steps / max(mean, 1.0))
+        return min(self.slots.capacity, self.max_steps + finals)
+
     def register(self, episode: Episode) -> None:
         """Add a new or restored episode to the table (and to ``running`` if in progress)."""
         self.episodes[episode.episode_id] = episode
@@ -237,8 +260,12 @@ class EpisodeCore:
         flush_if_full(self, len(episodes))
         make_room(self, len(episodes), len(episodes), 0, {e.episode_id for e in episodes})
         if self.slots.spec is None:
-            # Only now, when nothing can refuse the append any more, may it fix the spec.
-            self.slots.prepare(FieldSpec.of(rows, 1))
+            # Only now, when nothing can refuse the append any more, may it fix the spec: the
+            # first step's fields, with what was declared up front (a ragged field's reserve).
+            found = FieldSpec.of(rows, 1)
+            declared: Mapping[Key, Field] = self.declared or {}
+            reserved = {k: declared[k] for k in declared if k in found}
+            self.slots.prepare(FieldSpec({**found, **reserved}))
         stage(self, assign_rows(self, episodes), rows)
 
     def append_one(
@@ -341,7 +368,7 @@ class EpisodeCore:
         in_progress = self.in_progress
         return [in_progress(episode_id, action) for episode_id in episode_ids]
 
-    def end(self, episode: Episode, end_kind: int, final: dict[Key, torch.Tensor]) -> None:
+    def end(self, episode: Episode, end_kind: int, final: dict[Key, Leaf]) -> None:
         """Record the end of an episode with its final observation row."""
         if episode.rows:
             flush_if_full(self, 1)
@@ -350,8 +377,10 @@ class EpisodeCore:
             stage(self, [row], {key: value.unsqueeze(0) for key, value in final.items()})
         else:
             # A copy: the caller may reuse its arrays.
-            copies = {key: value.clone() for key, value in final.items()}
+            copies = {k: v.clone() for k, v in final.items() if not isinstance(v, Ragged)}
             episode.final_observation = TensorDict(nest(copies), batch_size=[])
+            kept = {k: v for k, v in final.items() if isinstance(v, Ragged)}
+            episode.final_ragged = kept or None  # Ragged values are already copies
             if self.slots.spec is None and self._first_obs_spec is None:
                 self._first_obs_spec = FieldSpec.of(final, 0)
         self._finish(episode, end_kind)

@@ -13,6 +13,7 @@ from replaybuf.errors import ReplayBufError
 
 if TYPE_CHECKING:
     from replaybuf.episodes.batch_run import BatchRun
+    from replaybuf.storage import Key, Ragged
 
 # The statuses end_episode takes, and the end kind each records.
 STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncated": END_TRUNCATED}
@@ -32,6 +33,7 @@ class Episode:
     final_row: int | None = None
     end_kind: int = END_NONE  # END_NONE while in progress
     final_observation: TensorDict | None = None  # only for episodes ended with zero steps
+    final_ragged: dict[Key, Ragged] | None = None  # its ragged and non-tensor fields
     # The append_batch run this episode is in, which may hold rows not yet in ``own``.
     run: BatchRun | None = field(default=None, repr=False, compare=False)
     # The core's flush count when the episode ended: once a flush follows, every row of it is

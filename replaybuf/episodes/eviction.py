@@ -126,6 +126,7 @@ def remove_episode(core: EpisodeCore, episode: Episode) -> None:
         held = np.frombuffer(rows, np.int64)
         core.anchors.remove_present(held)
         core.links.release(held)
+        core.slots.release_ragged(held)  # ragged values: garbage until the arena compacts
         if core.priorities is not None:  # evicted steps leave the distribution at once
             device = core.slots.storing_device
             core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from replaybuf.episodes.batch_run import Packed
-from replaybuf.storage import Key, RowPlan, RowStager, build_tensordict, to_device_async
+from replaybuf.storage import (
+    Key,
+    Ragged,
+    RowPlan,
+    RowStager,
+    build_tensordict,
+    to_device_async,
+)
 
 if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
@@ -27,16 +35,23 @@ _FLUSH_ROWS = 512
 _FLUSH_BYTES = 1 << 19
 
 
-def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, torch.Tensor]) -> None:
+def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, Any]) -> None:
     """Stage ``data`` (``[len(rows), ...]`` per key) for storage ``rows``; the first call, once
-    the spec is fixed, makes the stager and the per-step fast path's plan."""
+    the spec is fixed, makes the stager and the per-step fast path's plan. Ragged fields'
+    values go straight to their arenas (only their rows' spans wait for nothing)."""
     if core._stager is None:
         spec = core.slots.spec
         assert spec is not None  # fixed by the first write, before anything is staged
-        row_bytes = max(spec.row_bytes, 1)
+        fixed = spec.fixed
+        row_bytes = max(fixed.row_bytes, 1)
         size = max(_FLUSH_ROWS, min(8 * _FLUSH_ROWS, _FLUSH_BYTES // row_bytes))
-        core._stager = RowStager(spec, size)
-        core._plan = RowPlan.of(spec, core._stager.arrays)
+        core._stager = RowStager(fixed, size)
+        # The per-step fast path writes fixed fields only: a spec with ragged ones has none.
+        core._plan = None if spec.ragged_keys else RowPlan.of(fixed, core._stager.arrays)
+    if core.slots.ragged:
+        ragged = {k: v for k, v in data.items() if isinstance(v, Ragged)}
+        data = {k: v for k, v in data.items() if not isinstance(v, Ragged)}
+        core.slots.write_ragged(np.asarray(rows, dtype=np.int64), ragged)
     if not core._stager.fits(len(rows)):
         core.flush()
     if core._stager.fits(len(rows)):

@@ -19,7 +19,7 @@ from replaybuf.core import END_NONE
 from replaybuf.episodes.core import EpisodeCore
 from replaybuf.episodes.episode import Episode
 from replaybuf.priority import priority_stats
-from replaybuf.storage import FieldSpec, Key, nest
+from replaybuf.storage import FieldSpec, Key, Ragged, nest
 
 COUNTERS = ("next_id", "next_seq", "allocations", "steps", "valid_steps", "evicted")
 # One episode of the table: id, agent, start order, end kind, steps, whether a final row holds
@@ -36,11 +36,7 @@ def core_state(core: EpisodeCore) -> dict[str, Any]:
     flat = [row for rows in owned for row in rows]
     high_water = max(flat) + 1 if flat else 0
     obs_keys = list(observation_spec(core) or {})
-    finals = [
-        [e.final_observation.get(key).clone() for key in obs_keys]
-        for e in episodes
-        if e.final_observation is not None
-    ]
+    finals = [_final_leaves(e, obs_keys) for e in episodes if e.final_observation is not None]
     return {
         "counters": {name: getattr(core, name) for name in COUNTERS},
         "high_water": high_water,
@@ -57,6 +53,16 @@ def core_state(core: EpisodeCore) -> dict[str, Any]:
         "storage": core.slots.state_dict(high_water),
         "first_obs_spec": core._first_obs_spec,
     }
+
+
+def _final_leaves(episode: Episode, obs_keys: list[Key]) -> list[torch.Tensor]:
+    """A zero-step episode's final observation, field by field (a ragged field: its values)."""
+    ragged = episode.final_ragged or {}
+    assert episode.final_observation is not None
+    return [
+        ragged[key].values.clone() if key in ragged else episode.final_observation.get(key).clone()
+        for key in obs_keys
+    ]
 
 
 def observation_spec(core: EpisodeCore) -> FieldSpec | None:
@@ -78,11 +84,13 @@ def restore_core(
     core: EpisodeCore,
     state: dict[str, Any],
     fill: Callable[[Key, torch.Tensor], None],
+    ragged: Callable[[Key], tuple[torch.Tensor, torch.Tensor]],
     final: Callable[[int, Key], torch.Tensor],
 ) -> None:
     """Set an empty core to ``state`` (:func:`core_state`'s shape, checked by the caller);
-    ``fill(key, out)`` writes each field's rows ``[0, high_water)``, ``final(j, key)`` gives
-    field ``key`` of the j-th zero-step episode's final observation."""
+    ``fill(key, out)`` writes each fixed field's rows ``[0, high_water)``, ``ragged(key)``
+    gives a ragged field's rows ``[0, high_water)`` as CSR (values, offsets), ``final(j, key)``
+    field ``key`` of the j-th zero-step episode's final observation (a ragged one: its values)."""
     spec = state["storage"]["spec"]
     if spec is not None:
         core.slots.prepare(spec)
@@ -90,6 +98,8 @@ def restore_core(
         core.slots.restore(
             high_water, high_water % core.slots.capacity, high_water, fill, ring=False
         )
+        for key, column in core.slots.ragged.items():
+            column.load_rows(*ragged(key))
     core.links.load_state_dict(state["links"])
     core.anchors.load_state_dict({"rows": state["anchors"]})
     core.allocations = state["counters"]["allocations"]
@@ -109,7 +119,7 @@ def _restore_table(
     final: Callable[[int, Key], torch.Tensor],
 ) -> None:
     flat = array("q", episode_rows.to(torch.long).numpy().tobytes())
-    obs_keys = list(observation_spec(core) or {})
+    obs_spec = observation_spec(core) or FieldSpec({})
     at, zero = 0, 0
     for episode_id, agent, seq, end_kind, steps, has_final in table:
         episode = Episode(episode_id, agent, seq, own=flat[at : at + steps], end_kind=end_kind)
@@ -118,8 +128,15 @@ def _restore_table(
             episode.final_row = flat[at]
             at += 1
         elif end_kind != END_NONE:
-            leaves = {key: final(zero, key) for key in obs_keys}
-            episode.final_observation = TensorDict(nest(leaves), batch_size=[])
+            leaves = {key: final(zero, key) for key in obs_spec}
+            kept = {
+                key: Ragged(value, torch.tensor([value.shape[0]]), obs_spec[key].kind)
+                for key, value in leaves.items()
+                if obs_spec[key].is_ragged
+            }
+            fixed = {key: value for key, value in leaves.items() if key not in kept}
+            episode.final_observation = TensorDict(nest(fixed), batch_size=[])
+            episode.final_ragged = kept or None
             zero += 1
         core.register(episode)
         if end_kind != END_NONE:

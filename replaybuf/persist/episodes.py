@@ -14,7 +14,12 @@ A checkpoint holds::
              index/anchors            the anchor rows in sampling order (so draws repeat)
              index/free               the free rows, in the order they will be handed out
              index/episode_rows       every episode's rows (then its final row), concatenated
+             ragged/<i>/{values,offsets}   ragged field i (in the spec's order of ragged
+                                      fields), rows [0, high_water) as CSR: values end to end,
+                                      int64 offsets [high_water + 1]; text, bytes and JSON-like
+                                      fields as their UTF-8 / raw bytes (uint8), never pickled
              final/<j>/<i>            final observation field i of the j-th zero-step episode
+                                      (a ragged field: its values)
              sampler/generator_state
              sampler/device_draws     the device draws' key and round, int64 [2] (uniform
                                       draws from CUDA storage; absent before 2026-11-27)
@@ -36,40 +41,37 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from replaybuf.core import END_NONE
 from replaybuf.episodes import (
     COUNTERS,
-    FRAME_PADDINGS,
-    SAVED,
     EpisodeCore,
     core_state,
     restore_core,
 )
 from replaybuf.errors import (
     CheckpointKindError,
-    CorruptCheckpointError,
     MetadataError,
     NoCheckpointError,
 )
-from replaybuf.persist.format import Checkpoint, read_checkpoint, write_checkpoint
-from replaybuf.persist.ring import (
-    GENERATOR,
-    meta_int,
-    meta_spec,
-    restore_generator,
-    row_tensor_names,
+from replaybuf.persist.episode_checks import (
+    DRAWS,
+    LINKS,
+    PRIORITY,
+    STATUS,
+    Saved,
+    check,
+    stacking,
 )
+from replaybuf.persist.format import Checkpoint, read_checkpoint, write_checkpoint
+from replaybuf.persist.ragged import load_ragged, ragged_name
+from replaybuf.persist.ring import GENERATOR, restore_generator, row_tensor_names
 from replaybuf.persist.state import StateSource, state_of
-from replaybuf.sampling import LAYOUTS, DeviceDraws
-from replaybuf.storage import FieldSpec, Key, key_name
+from replaybuf.sampling import DeviceDraws
+from replaybuf.storage import FieldSpec, Key
 
 if TYPE_CHECKING:
     from replaybuf.buffers import SyncEpisodeReplayBuffer
 
 KIND = "EpisodeReplayBuffer"
-LINKS = SAVED  # the row links a state keeps (next_row, episode, step, end_kind, alloc)
-PRIORITY = "priority/weights"
-DRAWS = "sampler/device_draws"  # the device draws' key and round (replaybuf.accel.graphs)
 OVERRIDES = (
     "device",
     "storing_device",
@@ -78,8 +80,8 @@ OVERRIDES = (
     "min_steps",
     "priority_backend",
     "layout",
+    "ragged",
 )
-_STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
 
 
 @dataclass
@@ -92,6 +94,7 @@ class EpisodeParts:
     frame_stack: int | None
     frame_stack_padding: str
     layout: str  # the buffer's default batch layout
+    ragged: str  # how ragged fields come out of batches ("nested" or "padded")
     device: torch.device
     storing_device: torch.device
     core: EpisodeCore
@@ -106,6 +109,7 @@ def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
     core = core_state(parts.core)
     storage, counters = core["storage"], core["counters"]
     spec, first = storage["spec"], core["first_obs_spec"]
+    declared = parts.core.declared  # spec=, saved so that a loaded buffer declares the same
     tensors: dict[str, torch.Tensor] = {
         GENERATOR: parts.generator.get_state(),
         DRAWS: torch.tensor([parts.draws.seed, parts.draws.rounds()], dtype=torch.long),
@@ -119,8 +123,11 @@ def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
     if priorities is not None:
         tensors[PRIORITY] = priorities["weights"]
     if spec is not None:
-        for key, name in row_tensor_names(spec).items():
+        for key, name in row_tensor_names(spec.fixed).items():
             tensors[name] = storage["columns"][key]
+        for key, (values, offsets) in storage["ragged"].items():
+            name = ragged_name(spec, key)
+            tensors[f"{name}/values"], tensors[f"{name}/offsets"] = values, offsets
     for j, leaves in enumerate(core["finals"]):
         for i, leaf in enumerate(leaves):
             tensors[f"final/{j}/{i}"] = leaf
@@ -132,6 +139,7 @@ def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
         "frame_stack": parts.frame_stack,
         "frame_stack_padding": parts.frame_stack_padding,
         "layout": parts.layout,
+        "ragged": parts.ragged,
         "rows": parts.core.slots.capacity,
         "storage": parts.core.slots.kind,
         "device": str(parts.device),
@@ -146,9 +154,10 @@ def compose(parts: EpisodeParts, copy: bool) -> dict[str, Any]:
         "evicted": counters["evicted"],
         "high_water": core["high_water"],
         "spec": None if spec is None else spec.to_json(),
+        "declared": None if declared is None else declared.to_json(),
         "first_obs_spec": None if first is None else first.to_json(),
         "episodes": table,
-        "episodes_by_status": {s: sum(_STATUS[e[3]] == s for e in table) for s in _STATUS.values()},
+        "episodes_by_status": {s: sum(STATUS[e[3]] == s for e in table) for s in STATUS.values()},
     }
     return state_of(KIND, meta, tensors, copy)
 
@@ -165,17 +174,6 @@ def write(directory: str | os.PathLike[str], state: dict[str, Any], durable: boo
 
 
 # --------------------------------------------------------------------------------- loading
-@dataclass
-class Saved:
-    """A checkpoint's meta and small tensors, checked against each other."""
-
-    meta: dict[str, Any]
-    spec: FieldSpec | None
-    first_obs_spec: FieldSpec | None
-    table: list[list[Any]]
-    small: dict[str, torch.Tensor]
-
-
 def load(
     cls: type[SyncEpisodeReplayBuffer],
     directory: str | os.PathLike[str],
@@ -198,7 +196,9 @@ def load(
             "storage": meta["storage"],
             "min_steps": meta["min_steps"],
             "layout": meta.get("layout", "replaybuf"),  # none in checkpoints made before it
-            **_stacking(meta),
+            "spec": saved.declared,
+            "ragged": meta.get("ragged", "nested"),
+            **stacking(meta),
             **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
             **overrides,
         }
@@ -211,170 +211,11 @@ def load(
     return buffer
 
 
-def _stacking(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The saved frame stacking (checked by :func:`check`); none in checkpoints made before it."""
-    return {
-        "frame_stack": meta.get("frame_stack"),
-        "frame_stack_padding": meta.get("frame_stack_padding", "reset"),
-    }
-
-
 def _open(directory: str | os.PathLike[str]) -> Checkpoint:
     try:
         return read_checkpoint(directory, KIND, verify=False)
     except CheckpointKindError as exc:
         raise CheckpointKindError(f"{exc}; load it with that class's load_checkpoint") from None
-
-
-def check(checkpoint: StateSource, where: str) -> Saved:
-    """Meta ranges, tensor shapes, and every link against the episode table."""
-    meta = checkpoint.meta
-    max_steps = meta_int(meta, "max_steps", where, low=1)
-    rows = meta_int(meta, "rows", where, low=max_steps)
-    for name in ("next_id", "next_seq", "steps", "valid_steps", "evicted", "min_steps"):
-        meta_int(meta, name, where, low=0)
-    allocations = meta_int(meta, "allocations", where, low=0)
-    if not isinstance(meta.get("prioritized"), bool):
-        raise CorruptCheckpointError(f"{where}: meta 'prioritized' expected a bool")
-    high_water = meta_int(meta, "high_water", where, low=0, high=rows)
-    if meta.get("max_episodes") is not None:
-        meta_int(meta, "max_episodes", where, low=1)
-    if meta.get("frame_stack") is not None:
-        meta_int(meta, "frame_stack", where, low=1)
-    if meta.get("layout", "replaybuf") not in LAYOUTS:
-        raise CorruptCheckpointError(
-            f"{where}: meta 'layout' expected one of {LAYOUTS}, got {meta['layout']!r}"
-        )
-    if _stacking(meta)["frame_stack_padding"] not in FRAME_PADDINGS:
-        raise CorruptCheckpointError(
-            f"{where}: meta 'frame_stack_padding' expected one of {FRAME_PADDINGS}, "
-            f"got {meta['frame_stack_padding']!r}"
-        )
-    spec, first = meta_spec(meta, "spec", where), meta_spec(meta, "first_obs_spec", where)
-    table = meta.get("episodes")
-    if not isinstance(table, list) or not all(_is_entry(e) for e in table):
-        raise CorruptCheckpointError(f"{where}: meta 'episodes' is malformed")
-    small = {}
-    for name in ("index/anchors", "index/free", "index/episode_rows", GENERATOR):
-        small[name] = checkpoint.load(name, verify=True)
-    for name in LINKS:
-        small[f"links/{name}"] = checkpoint.load(f"links/{name}", verify=True)
-    if meta["prioritized"]:
-        small[PRIORITY] = checkpoint.load(PRIORITY, verify=True)
-    if DRAWS in checkpoint.tensors:
-        draws = small[DRAWS] = checkpoint.load(DRAWS, verify=True)
-        if draws.dtype != torch.long or tuple(draws.shape) != (2,) or bool((draws < 0).any()):
-            raise CorruptCheckpointError(
-                f"{where}: {DRAWS} expected two int64 values >= 0 (key, round), got "
-                f"{draws.dtype} {tuple(draws.shape)} {draws.tolist()}"
-            )
-    saved = Saved(meta, spec, first, table, small)
-    _check_rows(checkpoint, saved, high_water, where)
-    _check_links(saved, rows, where)
-    _check_priorities(saved, rows, allocations, where)
-    return saved
-
-
-def _check_priorities(saved: Saved, rows: int, allocations: int, where: str) -> None:
-    """Allocation ids below the count; weights (if any) >= 0 and 0 where no step can start."""
-    alloc = saved.small["links/alloc"]
-    if alloc.numel() and int(alloc.max()) >= allocations:
-        raise CorruptCheckpointError(f"{where}: links/alloc holds ids >= allocations={allocations}")
-    weights = saved.small.get(PRIORITY)
-    if weights is None:
-        return
-    anchors = saved.small["links/next_row"] >= 0
-    if weights.shape != (rows,) or not bool(torch.isfinite(weights).all()):
-        raise CorruptCheckpointError(f"{where}: {PRIORITY} expected {rows} finite weights")
-    if bool(((weights != 0) & ~anchors).any()) or bool((weights < 0).any()):
-        raise CorruptCheckpointError(f"{where}: {PRIORITY} must be >= 0, and 0 off the anchors")
-
-
-def _is_entry(entry: object) -> bool:
-    return (
-        isinstance(entry, list)
-        and len(entry) == 6
-        and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in (entry[0], entry[2], entry[4])
-        )
-        and isinstance(entry[1], str)
-        and entry[3] in _STATUS
-        and isinstance(entry[5], bool)
-    )
-
-
-def _check_rows(checkpoint: StateSource, saved: Saved, high_water: int, where: str) -> None:
-    names = row_tensor_names(saved.spec) if saved.spec is not None else {}
-    for key, name in names.items():
-        info = checkpoint.tensors.get(name)
-        assert saved.spec is not None  # names is empty without a spec
-        field = saved.spec[key]
-        if info is None or (info.shape, info.dtype) != ((high_water, *field.shape), field.dtype):
-            got = None if info is None else f"shape {list(info.shape)} dtype {info.dtype}"
-            raise CorruptCheckpointError(
-                f"{where}: field {key_name(key)!r} expected {name} of shape "
-                f"{[high_water, *field.shape]} dtype {field.dtype}, got {got}"
-            )
-
-
-def _check_links(saved: Saved, rows: int, where: str) -> None:
-    """Each episode's rows chain through ``next_row``, owned and numbered; sets agree."""
-    s, meta = saved.small, saved.meta
-    next_row, owner, step, end_kind = (s[f"links/{n}"] for n in LINKS[:4])
-    for name in LINKS:
-        tensor = s[f"links/{name}"]
-        if tensor.shape != (rows,):
-            raise CorruptCheckpointError(
-                f"{where}: links/{name} expected shape [{rows}], got {list(tensor.shape)}"
-            )
-    flat = s["index/episode_rows"]
-    counts = [e[4] + e[5] for e in saved.table]
-    if flat.numel() != sum(counts) or (
-        flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < rows
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: index/episode_rows does not match the episode table"
-        )
-    repeats = torch.tensor(counts, dtype=torch.long)  # long for an empty table too, not float
-    ids = torch.repeat_interleave(
-        torch.tensor([e[0] for e in saved.table], dtype=torch.long), repeats
-    )
-    local = (
-        torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
-    )
-    last = torch.cat([torch.arange(c) == c - 1 for c in counts]) if counts else local.bool()
-    expected_next = torch.where(last, -1, torch.roll(flat, -1))
-    in_progress = torch.repeat_interleave(
-        torch.tensor([e[3] == END_NONE for e in saved.table], dtype=torch.bool), repeats
-    )
-    kinds = torch.repeat_interleave(
-        torch.tensor([e[3] for e in saved.table], dtype=torch.int8), repeats
-    )
-    ok = (
-        torch.equal(owner[flat], ids)
-        and torch.equal(step[flat], local)
-        and torch.equal(next_row[flat], expected_next)
-        and torch.equal(
-            end_kind[flat], torch.where(last & ~in_progress, kinds, END_NONE).to(torch.int8)
-        )
-    )
-    anchors, free = s["index/anchors"], s["index/free"]
-    if free.numel() and not 0 <= int(free.min()) <= int(free.max()) < rows:
-        raise CorruptCheckpointError(f"{where}: index/free holds rows outside [0, {rows})")
-    used = torch.zeros(rows, dtype=torch.long).index_add_(0, flat, torch.ones_like(flat))
-    used.index_add_(0, free, torch.ones_like(free))
-    ok = ok and bool((used == 1).all())  # every row is either an episode's or free, once
-    expected_anchors = torch.nonzero(next_row >= 0).squeeze(1)
-    ok = ok and torch.equal(torch.sort(anchors).values, expected_anchors)
-    ok = (
-        ok
-        and anchors.numel() == meta["valid_steps"]
-        and sum(e[4] for e in saved.table) == meta["steps"]
-    )
-    if not ok:
-        raise CorruptCheckpointError(
-            f"{where}: links, anchors or free rows disagree with the episode table"
-        )
 
 
 def check_fits(saved: Saved, parts: EpisodeParts, where: str) -> None:
@@ -388,7 +229,7 @@ def check_fits(saved: Saved, parts: EpisodeParts, where: str) -> None:
         **{"frame_stack": parts.frame_stack, "frame_stack_padding": parts.frame_stack_padding},
     }
     theirs = {name: meta.get(name) for name in ("max_steps", "rows", "prioritized")}
-    theirs.update(_stacking(meta))
+    theirs.update(stacking(meta))
     for name, value in mine.items():
         if theirs[name] != value:
             raise MetadataError(
@@ -399,13 +240,17 @@ def check_fits(saved: Saved, parts: EpisodeParts, where: str) -> None:
 def restore(parts: EpisodeParts, saved: Saved, source: StateSource) -> None:
     """Fill the empty core of ``parts`` with a checked state, and the sampler state."""
     meta, s = saved.meta, saved.small
-    names = row_tensor_names(saved.spec) if saved.spec is not None else {}
+    names = row_tensor_names(saved.spec.fixed) if saved.spec is not None else {}
     obs_keys = list(saved.spec or saved.first_obs_spec or {})
     if saved.spec is not None:
         obs_keys = [key for key in obs_keys if key[0] == "observation"]
 
     def fill(key: Key, out: torch.Tensor) -> None:
         source.load_into(names[key], out, verify=True)  # streamed, hashed on the way
+
+    def ragged(key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        assert saved.spec is not None  # a ragged field is one of the spec's
+        return load_ragged(source, saved.spec, key)
 
     def final(j: int, key: Key) -> torch.Tensor:
         return source.load(f"final/{j}/{obs_keys.index(key)}", verify=True)
@@ -424,7 +269,7 @@ def restore(parts: EpisodeParts, saved: Saved, source: StateSource) -> None:
         "storage": {"spec": saved.spec},
         "first_obs_spec": saved.first_obs_spec,
     }
-    restore_core(parts.core, state, fill, final)
+    restore_core(parts.core, state, fill, ragged, final)
     restore_generator(parts.generator, s[GENERATOR], meta["generator_device"])
     if DRAWS in s:
         seed, rounds = (int(v) for v in s[DRAWS])
@@ -450,12 +295,19 @@ def open_or_create(
     with checkpoint:
         meta = checkpoint.meta
         saved = {name: meta.get(name) for name in ("max_steps", "max_episodes")}
-        saved.update(_stacking(meta))
+        saved.update(stacking(meta))
+        theirs = meta.get("declared")
     for name, value in saved.items():
         if name in kwargs and kwargs[name] != value:
             raise ValueError(
                 f"open({str(checkpoint.directory)!r}): {name}={kwargs[name]!r}, but the "
                 f"checkpoint there holds a buffer with {name}={value!r}"
             )
-    overrides = {k: v for k, v in kwargs.items() if k not in (*saved, "seed")}
+    declared = kwargs.get("spec")
+    if declared is not None and FieldSpec.declare(declared).to_json() != theirs:
+        raise ValueError(
+            f"open({str(checkpoint.directory)!r}): spec={declared!r}, but the checkpoint "
+            f"there declares {theirs!r}"
+        )
+    overrides = {k: v for k, v in kwargs.items() if k not in (*saved, "seed", "spec")}
     return load(cls, directory, overrides)

@@ -22,8 +22,9 @@ Values = torch.Tensor | np.ndarray  # index math results: numpy on the host path
 
 
 def keys_of(core: EpisodeView, *groups: str) -> tuple[Key, ...]:
+    """The fixed-shape fields under ``groups`` (ragged ones: :mod:`replaybuf.sampling.ragged`)."""
     spec = core.slots.spec  # None only before the first step, when nothing is sampled
-    return () if spec is None else spec.group(*groups)
+    return () if spec is None else spec.fixed.group(*groups)
 
 
 def tensor_of(value: Values) -> torch.Tensor:

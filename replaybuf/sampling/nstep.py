@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from replaybuf.args import NArg
 from replaybuf.sampling.common import Values, keys_of, nstep_keys, tensor_of
 from replaybuf.sampling.frames import HostStacks, stacked_observations_at
+from replaybuf.sampling.ragged import ragged_keys_of, ragged_values
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import HostWindows, WindowMath
 from replaybuf.storage import Key, Part, build_tensordict
@@ -27,12 +28,18 @@ class NStepBuilder:
     """
 
     def __init__(
-        self, core: EpisodeView, device: torch.device, math: WindowMath, host_views: bool
+        self,
+        core: EpisodeView,
+        device: torch.device,
+        math: WindowMath,
+        host_views: bool,
+        ragged: str = "nested",
     ) -> None:
         self.core = core
         self.device = device
         self.math = math
         self.host_views = host_views
+        self.ragged = ragged  # ragged fields: "nested" or "padded" (replaybuf.sampling.ragged)
 
     def batch(
         self,
@@ -46,8 +53,24 @@ class NStepBuilder:
 
         ``table``: ``start`` holds places in it (the packed anchor rows, a uniform draw), which
         the fused kernel looks up itself (one gather less)."""
-        values = self.values(start, n, gamma, generator, table)
-        return build_tensordict(nstep_keys(self.core), values, start.shape[0], self.device)
+        values, ends, start = self._values(start, n, gamma, generator, table)
+        batch = build_tensordict(nstep_keys(self.core), values, start.shape[0], self.device)
+        ragged = ragged_keys_of(self.core, "observation", "action", "extras")
+        if ragged:  # their rows: the window's two ends for observations, the anchor else
+            ends_rows, start_rows = np.asarray(tensor_of(ends).cpu()), start.cpu().numpy()
+            for key in ragged:
+                pairs: tuple[tuple[Key, np.ndarray], ...]
+                if key[0] == "observation":
+                    both = ends_rows.reshape(2, -1)
+                    pairs = ((key, both[0]), (("next_observation", *key[1:]), both[1]))
+                else:
+                    pairs = ((key[1:] if key[0] == "extras" else key, start_rows),)
+                for out_key, rows in pairs:
+                    for k, v in ragged_values(
+                        self.core, key, out_key, rows, self.device, self.ragged
+                    ).items():
+                        batch.set(k, v)
+        return batch
 
     def values(
         self,
@@ -65,6 +88,19 @@ class NStepBuilder:
         torch ops' jump tables and caches are rebuilt outside any graph); ``powers``: the
         kernel's reward and discount powers (see :func:`replaybuf.accel.fused.nstep_windows`).
         """
+        return self._values(start, n, gamma, generator, table, fused_only, powers)[0]
+
+    def _values(
+        self,
+        start: torch.Tensor,
+        n: NArg,
+        gamma: float,
+        generator: torch.Generator | None,
+        table: torch.Tensor | None = None,
+        fused_only: bool = False,
+        powers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], Values, torch.Tensor]:
+        """:meth:`values`, with the rows of both window ends and the anchors."""
         core = self.core
         batch = start.shape[0]
         if isinstance(n, tuple):
@@ -82,7 +118,7 @@ class NStepBuilder:
         obs_keys, step_keys = keys_of(core, "observation"), keys_of(core, "action", "extras")
         if self.host_views:
             assert isinstance(ends, np.ndarray), "host windows give numpy rows"
-            return host_nstep_values(core, start, ends, info, obs_keys, step_keys)
+            return host_nstep_values(core, start, ends, info, obs_keys, step_keys), ends, start
         slots = core.slots
         if core.frame_stack is None:
             parts: list[Part] = [(slots.column(key), tensor_of(ends)) for key in obs_keys]
@@ -95,7 +131,7 @@ class NStepBuilder:
         values = []
         for _, both in zip(obs_keys, delivered):  # noqa: B905 (a prefix of delivered)
             values += [both[:batch], both[batch:]]
-        return values + list(delivered)
+        return values + list(delivered), ends, start
 
 
 def host_views_apply(core: EpisodeView, device: torch.device, math: WindowMath) -> bool:

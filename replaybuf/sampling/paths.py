@@ -33,6 +33,7 @@ from replaybuf.sampling.draws import draw_anchors, draw_sequences, with_priority
 from replaybuf.sampling.graphed import graphed_nstep, graphed_sequences
 from replaybuf.sampling.host import HostNStep, NStepPath, host_plan
 from replaybuf.sampling.nstep import NStepBuilder, host_views_apply
+from replaybuf.sampling.ragged import ragged_keys_of
 from replaybuf.sampling.sequences import sequence_batch
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import window_math
@@ -144,6 +145,7 @@ def choose(
     generator: torch.Generator,
     draws: DeviceDraws,
     current: Paths | None = None,
+    ragged: str = "nested",
 ) -> Paths:
     """The paths for the core's configuration now: ``current`` while it still applies (the
     storage's columns unchanged since it was chosen), else a new choice."""
@@ -151,9 +153,12 @@ def choose(
     if current is not None and derived.get(_KEY) is current.token:
         return current
     math = window_math(core)
-    builder = NStepBuilder(core, device, math, host_views_apply(core, device, math))
+    builder = NStepBuilder(core, device, math, host_views_apply(core, device, math), ragged)
     general: NStepPath = GeneralNStep(builder, generator)
-    uniform = core.priorities is None
+    # Ragged fields come out of the general paths only (the fast ones gather fixed columns).
+    uniform = core.priorities is None and not ragged_keys_of(
+        core, "observation", "action", "extras"
+    )
     n_step = general
     sequences: SequencePath = GeneralSequences(core, device, generator)
     if uniform and not core.anchors.on_host:  # storage off the CPU

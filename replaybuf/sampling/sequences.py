@@ -21,6 +21,7 @@ from replaybuf.core import (
 from replaybuf.sampling.common import Values, keys_of, tensor_of
 from replaybuf.sampling.frames import stacked_observations
 from replaybuf.sampling.padding import pad_copy, pad_in_place, zero_of
+from replaybuf.sampling.ragged import ragged_keys_of, ragged_values
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.storage import Key, Part, build_tensordict
 
@@ -43,8 +44,27 @@ def sequence_batch(
     :func:`stacked_observations`): TensorDict reshapes, ``apply`` and ``set`` cost more than
     the gathers themselves here (and on CUDA their Python time is what the learner waits for).
     """
+    walk = walk or _walk(core, start, length, full)
     keys, values = sequence_values(core, start, length, device, walk, full)
-    return build_tensordict(keys, values, (start.shape[0], length), device)
+    batch = build_tensordict(keys, values, (start.shape[0], length), device)
+    ragged = ragged_keys_of(core, "observation", "action", "reward", "extras")
+    if ragged:  # always padded: a jagged tensor holds one ragged dimension after B only
+        obs_rows, step_rows = walk.obs_rows.cpu().numpy(), walk.step_rows.cpu().numpy()
+        real = walk.mask.cpu().numpy()
+        for key in ragged:
+            pairs: tuple[tuple[Key, np.ndarray], ...]
+            if key[0] == "observation":
+                pairs = (
+                    (key, obs_rows[:, :length]),
+                    (("next_observation", *key[1:]), obs_rows[:, 1:]),
+                )
+            else:
+                pairs = ((key[1:] if key[0] == "extras" else key, step_rows),)
+            for out_key, rows in pairs:
+                entries = ragged_values(core, key, out_key, rows, device, "padded", real)
+                for k, v in entries.items():
+                    batch.set(k, v)
+    return batch
 
 
 def sequence_values(

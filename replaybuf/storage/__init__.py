@@ -1,11 +1,13 @@
 """TorchRL slot storage, field specs, staging, device mirrors: the only layer that knows TorchRL
 storages."""
 
+from replaybuf.storage.convert import Leaf, decode, to_leaves
 from replaybuf.storage.delivery import Part, to_device_async
 from replaybuf.storage.devices import NORMAL_TENSORS, resolve_device, resolve_kind
 from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
-from replaybuf.storage.schema import Field, FieldSpec, Key, key_name, to_leaves
+from replaybuf.storage.ragged import Ragged, RaggedColumn
+from replaybuf.storage.schema import Field, FieldSpec, Key, key_name
 from replaybuf.storage.slots import SlotStorage
 from replaybuf.storage.space import free_bytes
 from replaybuf.storage.staging import RowStager
@@ -17,11 +19,15 @@ __all__ = [
     "Field",
     "FieldSpec",
     "Key",
+    "Leaf",
     "Part",
+    "Ragged",
+    "RaggedColumn",
     "RowPlan",
     "RowStager",
     "SlotStorage",
     "build_tensordict",
+    "decode",
     "free_bytes",
     "key_name",
     "nest",

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.errors import SchemaError
+from replaybuf.storage.ragged import Ragged
 
 Key = tuple[str, ...]
 # Keys the buffers add to their own output; a user field with one of these names would be shadowed.
@@ -63,19 +64,72 @@ def key_name(key: Key) -> str:
     return ".".join(key)
 
 
+FIXED, RAGGED, TEXT, BYTES, JSON = "fixed", "ragged", "text", "bytes", "json"
+NON_TENSOR = (TEXT, BYTES, JSON)  # stored as encoded bytes, returned as Python objects
+KINDS = (FIXED, RAGGED, *NON_TENSOR)
+
+
 @dataclass(frozen=True)
 class Field:
-    """One stored leaf: its per-row shape and dtype."""
+    """One stored leaf: its per-row shape and dtype, and its kind.
+
+    ``kind`` is ``"fixed"`` (every row ``shape``), ``"ragged"`` (each row ``[length, *shape]``,
+    the length varying from row to row: token ids) or a non-tensor kind: ``"text"`` (``str``),
+    ``"bytes"`` or ``"json"`` (dicts, lists, numbers, booleans, None, nested), stored as
+    UTF-8 or raw bytes in a ragged uint8 field (see :mod:`replaybuf.storage.ragged`).
+    ``reserve``: values (bytes, for the non-tensor kinds) to make room for at the field's first
+    write, so that a buffer that will hold that many never moves them to grow; None: room
+    grows as needed.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str = FIXED
+    reserve: int | None = None
+
+    @classmethod
+    def ragged(
+        cls,
+        dtype: torch.dtype = torch.int64,
+        shape: tuple[int, ...] = (),
+        *,
+        reserve: int | None = None,
+    ) -> Field:
+        """A field whose rows are ``[length, *shape]`` of ``dtype``, any length."""
+        return cls(tuple(shape), dtype, RAGGED, reserve)
+
+    @classmethod
+    def text(cls, *, reserve: int | None = None) -> Field:
+        """A ``str`` per row, stored as UTF-8."""
+        return cls((), torch.uint8, TEXT, reserve)
+
+    @classmethod
+    def bytes(cls, *, reserve: int | None = None) -> Field:
+        """A ``bytes`` value per row."""
+        return cls((), torch.uint8, BYTES, reserve)
+
+    @classmethod
+    def json(cls, *, reserve: int | None = None) -> Field:
+        """A JSON-like value per row (dicts with str keys, lists, numbers, bools, None)."""
+        return cls((), torch.uint8, JSON, reserve)
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether rows vary in length (ragged and non-tensor kinds)."""
+        return self.kind != FIXED
 
     @property
     def row_bytes(self) -> int:
+        """Bytes a row takes in the row storage (a ragged row: its 8-byte span)."""
+        if self.is_ragged:
+            return 8
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def describe(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        if self.kind in NON_TENSOR:
+            return self.kind
+        dims = list(self.shape) if self.kind == FIXED else ["*", *self.shape]
+        return f"{str(self.dtype).removeprefix('torch.')}{dims}"
 
 
 class FieldSpec(Mapping[Key, Field]):
@@ -85,6 +139,9 @@ class FieldSpec(Mapping[Key, Field]):
         self._fields = dict(sorted(fields.items()))
         self._tree = _field_tree(self._fields)
         self._groups: dict[tuple[str, ...], tuple[Key, ...]] = {}
+        self.ragged_keys = tuple(k for k, f in self._fields.items() if f.is_ragged)
+        # The fields of one shape per row (what the row storage holds as columns).
+        self._fixed = self if not self.ragged_keys else None
 
     def __getitem__(self, key: Key) -> Field:
         return self._fields[key]
@@ -98,6 +155,13 @@ class FieldSpec(Mapping[Key, Field]):
     def __repr__(self) -> str:
         inner = ", ".join(f"{key_name(k)}: {f.describe()}" for k, f in self._fields.items())
         return f"FieldSpec({inner})"
+
+    @property
+    def fixed(self) -> FieldSpec:
+        """The fields of one shape per row (all but the ragged ones)."""
+        if self._fixed is None:
+            self._fixed = FieldSpec({k: f for k, f in self._fields.items() if not f.is_ragged})
+        return self._fixed
 
     def group(self, *names: str) -> tuple[Key, ...]:
         """The keys under any of the top-level ``names``, in order (cached: sampling asks in
@@ -118,7 +182,10 @@ class FieldSpec(Mapping[Key, Field]):
         fields = {}
         items = _leaves(td) if isinstance(td, TensorDictBase) else td.items()
         for key, value in items:
-            fields[key] = Field(tuple(value.shape[batch_dims:]), value.dtype)
+            if isinstance(value, Ragged):  # rows of any length: the shape after it
+                fields[key] = Field(tuple(value.values.shape[1:]), value.values.dtype, value.kind)
+            else:
+                fields[key] = Field(tuple(value.shape[batch_dims:]), value.dtype)
         return cls(fields)
 
     @classmethod
@@ -142,10 +209,13 @@ class FieldSpec(Mapping[Key, Field]):
         return cls(fields)
 
     def to_json(self) -> dict[str, dict[str, Any]]:
-        return {
-            key_name(k): {"key": list(k), "shape": list(f.shape), "dtype": str(f.dtype)}
-            for k, f in self._fields.items()
-        }
+        out: dict[str, dict[str, Any]] = {}
+        for k, f in self._fields.items():
+            entry: dict[str, Any] = {"key": list(k), "shape": list(f.shape), "dtype": str(f.dtype)}
+            if f.is_ragged:  # fixed fields stay as specs of every version wrote them
+                entry.update(kind=f.kind, reserve=f.reserve)
+            out[key_name(k)] = entry
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FieldSpec:
@@ -162,7 +232,16 @@ class FieldSpec(Mapping[Key, Field]):
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
                 raise ValueError(f"field {name!r}: shape expected sizes >= 0, got {shape!r}")
-            fields[tuple(key)] = Field(tuple(shape), dtype)
+            kind, budget = entry.get("kind", FIXED), entry.get("reserve")
+            if kind not in KINDS:
+                raise ValueError(f"field {name!r}: kind expected one of {KINDS}, got {kind!r}")
+            if budget is not None and (
+                not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
+            ):
+                raise ValueError(f"field {name!r}: reserve expected an int >= 1, got {budget!r}")
+            if kind in NON_TENSOR and (dtype != torch.uint8 or shape):
+                raise ValueError(f"field {name!r}: a {kind} field is stored as uint8[]")
+            fields[tuple(key)] = Field(tuple(shape), dtype, kind, budget)
         return cls(fields)
 
     def zeros(self, rows: int, device: torch.device | str = "cpu") -> TensorDict:
@@ -186,9 +265,7 @@ class FieldSpec(Mapping[Key, Field]):
         leaves: dict[Key, torch.Tensor] = {}
         return None if _match(data, self._tree, batched, leaves, -1) is None else leaves
 
-    def check(
-        self, td: TensorDictBase | Mapping[Key, torch.Tensor], batch_dims: int, what: str
-    ) -> None:
+    def check(self, td: TensorDictBase | Mapping[Key, Any], batch_dims: int, what: str) -> None:
         """Raise :class:`SchemaError` unless ``td`` (or flat leaves by key) matches exactly."""
         got = dict(_leaves(td)) if isinstance(td, TensorDictBase) else td
         missing = [key_name(k) for k in self._fields if k not in got]
@@ -205,16 +282,47 @@ class FieldSpec(Mapping[Key, Field]):
             )
         for key, f in self._fields.items():
             value = got[key]
+            if f.is_ragged or isinstance(value, Ragged):
+                _check_ragged(key, f, value, what)
+                continue
             shape = tuple(value.shape[batch_dims:])
             if shape != f.shape:
                 raise SchemaError(
                     f"{what}: field {key_name(key)!r} expected shape {list(f.shape)}, "
-                    f"got {list(shape)}"
+                    f"got {list(shape)}{_RAGGED_HINT if shape[1:] == f.shape[1:] else ''}"
                 )
             if value.dtype != f.dtype:
                 raise SchemaError(
                     f"{what}: field {key_name(key)!r} expected dtype {f.dtype}, got {value.dtype}"
                 )
+
+
+# What a shape mismatch in the leading dimension suggests.
+_RAGGED_HINT = (
+    "; a field whose size varies from step to step is declared ragged, e.g. "
+    "spec={'observation': Field.ragged(torch.int64)} (Field.text(), Field.json() for text "
+    "and JSON-like values)"
+)
+
+
+def _check_ragged(key: Key, field: Field, value: Any, what: str) -> None:
+    """A ragged leaf: the field's kind, dtype and the shape after the varying length."""
+    name = key_name(key)
+    if not field.is_ragged:
+        raise SchemaError(
+            f"{what}: field {name!r} expected {field.describe()}, got values of varying "
+            f"length ({value.kind})"
+        )
+    if not isinstance(value, Ragged):
+        raise SchemaError(f"{what}: field {name!r} expected {field.describe()}, got a tensor")
+    if value.kind != field.kind:
+        raise SchemaError(f"{what}: field {name!r} expected {field.kind} values, got {value.kind}")
+    got = (tuple(value.values.shape[1:]), value.values.dtype)
+    if got != (field.shape, field.dtype):
+        raise SchemaError(
+            f"{what}: field {name!r} expected {field.describe()}, got rows of "
+            f"{str(got[1]).removeprefix('torch.')}{['*', *got[0]]}"
+        )
 
 
 # A spec as a tree for FieldSpec.match: name -> subtree (a dict), or (key, shape, dtype).
@@ -226,7 +334,7 @@ def _field_tree(fields: Mapping[Key, Field]) -> _Tree | None:
     which to_leaves refuses, or a key that is both a leaf and a prefix of another)."""
     tree: _Tree = {}
     for key, field in fields.items():
-        if key[0] in RESERVED_KEYS:
+        if key[0] in RESERVED_KEYS or field.is_ragged:  # ragged values: the general path
             return None
         node = tree
         for part in key[:-1]:
@@ -282,9 +390,12 @@ def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -
 
 
 def _declared_field(value: Any, what: str) -> Field:
-    """One declared field: a Field, ``(shape, dtype)`` or an example tensor / array."""
+    """One declared field: a Field, ``(shape, dtype)``, an example tensor / array, or the
+    name of a non-tensor kind (``"text"``, ``"bytes"``, ``"json"``)."""
     if isinstance(value, Field):
         return value
+    if isinstance(value, str) and value in NON_TENSOR:
+        return Field((), torch.uint8, value)
     if isinstance(value, torch.Tensor | np.ndarray):
         example = torch.as_tensor(value)
         return Field(tuple(example.shape), example.dtype)
@@ -298,47 +409,14 @@ def _declared_field(value: Any, what: str) -> Field:
         if ok_shape and isinstance(dtype, torch.dtype):
             return Field(tuple(shape), dtype)
     raise ValueError(
-        f"{what} expected a Field, (shape, dtype) such as ((4,), torch.float32) or an example "
-        f"tensor, got {value!r}"
+        f"{what} expected a Field, (shape, dtype) such as ((4,), torch.float32), an example "
+        f"tensor or one of {NON_TENSOR}, got {value!r}"
     )
 
 
 def _leaves(td: TensorDictBase) -> Iterator[tuple[Key, torch.Tensor]]:
     for key, value in td.items(include_nested=True, leaves_only=True):
         yield (key,) if isinstance(key, str) else tuple(key), value
-
-
-def to_leaves(
-    data: Any,
-    *,
-    batched: bool,
-    what: str,
-    spec: FieldSpec | None = None,
-) -> dict[Key, torch.Tensor]:
-    """Convert one row (``batched=False``) or a batch of rows into detached tensors by key.
-
-    Accepts a TensorDict or a (nested) mapping of tensors, numpy arrays and Python numbers.
-    Python numbers take the spec's dtype when the cast is lossless. For a batch, rows are checked
-    to agree across fields. Raises ``TypeError`` for unsupported values and
-    :class:`SchemaError` for structural errors. The tensors may share memory with ``data``.
-    """
-    if isinstance(data, TensorDictBase):
-        items = list(_leaves(data))
-    elif isinstance(data, Mapping):
-        items = list(_flatten_mapping(data, (), what))
-    else:
-        raise TypeError(f"{what}: expected a TensorDict or a dict of tensors, got {_kind(data)}")
-    if not items:
-        raise SchemaError(f"{what}: expected at least one field, got none")
-    leaves: dict[Key, torch.Tensor] = {}
-    for key, value in items:
-        if key[0] in RESERVED_KEYS:
-            raise SchemaError(f"{what}: field name {key[0]!r} is reserved by replaybuf")
-        field = spec.get(key) if spec is not None else None
-        leaves[key] = _to_tensor(value, key, field, batched, what)
-    if batched:
-        _common_rows(leaves, what)
-    return leaves
 
 
 def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Key, Any]]:
@@ -352,78 +430,3 @@ def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Ke
             yield from _flatten_mapping(value, key, what)
         else:
             yield key, value
-
-
-def _to_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: str) -> torch.Tensor:
-    tensor = _as_tensor(value, key, field, batched, what)
-    if field is None:  # a new field (a write that fixes the spec): its dtype must be storable
-        check_storable(tensor.dtype, f"{what}: field {key_name(key)!r}")
-    return tensor
-
-
-def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: str) -> torch.Tensor:
-    name = key_name(key)
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "meta":
-            raise SchemaError(f"{what}: field {name!r} is a meta tensor (it holds no data)")
-        if value.layout is not torch.strided:  # storage columns are dense: refuse up front
-            raise TypeError(
-                f"{what}: field {name!r} expected a dense (strided) tensor, got layout "
-                f"{value.layout}; convert it with .to_dense()"
-            )
-        return value.detach()
-    if isinstance(value, np.ndarray):
-        if value.dtype == object:
-            raise TypeError(f"{what}: field {name!r} is an object array; expected numbers")
-        # np.ascontiguousarray would turn a 0-d array into shape (1,): only copy when needed.
-        return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
-    if isinstance(value, _SCALARS) and not batched:
-        return _scalar(value.item() if isinstance(value, np.generic) else value, name, field, what)
-    if isinstance(value, _SCALARS):
-        raise SchemaError(
-            f"{what}: field {name!r} expected a batch of rows, got a scalar {value!r}"
-        )
-    raise TypeError(
-        f"{what}: field {name!r} expected a tensor, array or number, got {_kind(value)}"
-    )
-
-
-def _scalar(value: bool | int | float, name: str, field: Field | None, what: str) -> torch.Tensor:
-    """A Python number as a 0-d tensor, in the field's dtype when that holds it.
-
-    Floats round into any floating dtype (that is what storing a float means); ints must fit
-    exactly; a float never goes silently into an integer or bool field.
-    """
-    if field is None or field.shape != ():
-        return torch.tensor(value, device=_CPU)  # not the default device: rows go to storage
-    dtype = field.dtype
-    cast = None
-    if dtype.is_floating_point or not isinstance(value, float):
-        try:
-            cast = torch.tensor(value, dtype=dtype, device=_CPU)
-        except (RuntimeError, OverflowError):
-            cast = None
-    if cast is None or (not isinstance(value, float) and cast.item() != value):
-        raise SchemaError(
-            f"{what}: field {name!r} expected dtype {dtype}, got {value!r} which it cannot hold"
-        )
-    return cast
-
-
-def _common_rows(leaves: Mapping[Key, torch.Tensor], what: str) -> int:
-    sizes = {key_name(k): (v.shape[0] if v.dim() else None) for k, v in leaves.items()}
-    scalars = [n for n, s in sizes.items() if s is None]
-    if scalars:
-        raise SchemaError(
-            f"{what}: field {scalars[0]!r} expected a batch of rows, got a 0-d tensor"
-        )
-    distinct = set(sizes.values())
-    if len(distinct) != 1:
-        raise SchemaError(f"{what}: fields disagree on the batch dimension: {sizes}")
-    size = distinct.pop()
-    assert size is not None  # 0-d fields were refused above
-    return int(size)
-
-
-def _kind(value: Any) -> str:
-    return type(value).__name__

@@ -33,6 +33,7 @@ from torchrl.data import TensorDictReplayBuffer
 from replaybuf.storage.delivery import Part, PinnedStager, count_rows, rows_of, to_device_async
 from replaybuf.storage.devices import StorageKind
 from replaybuf.storage.hugepages import advise_huge_pages
+from replaybuf.storage.ragged import Ragged, RaggedColumn
 from replaybuf.storage.schema import FieldSpec, Key
 from replaybuf.storage.scratch import ScratchFolder
 from replaybuf.storage.space import ensure_space, reserve_files
@@ -66,6 +67,10 @@ class SlotStorage:
         self.kind: StorageKind = kind
         self.storing_device = storing_device
         self.spec: FieldSpec | None = None
+        # Each ragged field's arena and row spans (see replaybuf.storage.ragged), by key.
+        self.ragged: dict[Key, RaggedColumn] = {}
+        # The rows a full buffer holds, for the ragged arenas' size (None: every slot).
+        self.rows_hint: Callable[[], int] | None = None
         self._scratch_parent = scratch_dir
         self._scratch: ScratchFolder | None = None
         self._leaves: list[tuple[Key, torch.Tensor]] = []
@@ -108,6 +113,7 @@ class SlotStorage:
         if capacity is not None:
             self.capacity = capacity
         self.spec = None
+        self._close_ragged()
         self.memory = self._new_memory()
 
     def close(self) -> None:
@@ -120,6 +126,7 @@ class SlotStorage:
         self._flat_names = None
         self._direct = False
         self.memory = None
+        self._close_ragged()
         self._stager.clear()
         if self._scratch is not None:
             self._scratch.remove()
@@ -137,9 +144,25 @@ class SlotStorage:
 
     # ----------------------------------------------------------------- writes
     def prepare(self, spec: FieldSpec) -> None:
-        """Fix the spec and check the space before the first write allocates anything."""
+        """Fix the spec and check the space before the first write allocates anything; each
+        ragged field gets its arena (allocated at its first values)."""
         self.check_space(self.capacity, spec)
         self.spec = spec
+        self.ragged = {
+            key: RaggedColumn(
+                self.capacity,
+                spec[key].shape,
+                spec[key].dtype,
+                self.kind,
+                self.storing_device,
+                self.scratch_path,
+                str(i),
+                spec[key].reserve,
+            )
+            for i, key in enumerate(spec.ragged_keys)
+        }
+        for column in self.ragged.values():
+            column.rows_hint = self.rows_hint
 
     def check_space(self, capacity: int, spec: FieldSpec) -> None:
         """Raise :class:`InsufficientSpaceError` unless ``capacity`` rows of ``spec`` fit."""
@@ -384,10 +407,28 @@ class SlotStorage:
         return None if column is None else self._host_views.get(id(column))
 
     def stored_bytes(self) -> int:
-        """Bytes the allocated rows occupy (user fields and TorchRL's own index column)."""
+        """Bytes the allocated rows occupy (user fields, TorchRL's own index column, ragged
+        fields' arenas and spans)."""
+        ragged = sum(column.nbytes for column in self.ragged.values())
         if self.memory is None or not self._leaves:
-            return 0
-        return allocated_bytes(self.memory)
+            return ragged
+        return allocated_bytes(self.memory) + ragged
+
+    # ----------------------------------------------------------------- ragged fields
+    def write_ragged(self, slots: np.ndarray, leaves: dict[Key, Ragged]) -> None:
+        """Give ``slots`` (int64) the values of each ragged field, row for row."""
+        for key, value in leaves.items():
+            self.ragged[key].write(slots, value)
+
+    def _close_ragged(self) -> None:
+        for column in self.ragged.values():
+            column.close()
+        self.ragged = {}
+
+    def release_ragged(self, slots: np.ndarray) -> None:
+        """Free ``slots``' ragged values (freed or evicted rows)."""
+        for column in self.ragged.values():
+            column.release(slots)
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self, rows: int) -> dict[str, Any]:
@@ -395,13 +436,14 @@ class SlotStorage:
         the stored columns (empty tensors of the field's shape when ``rows`` is 0)."""
         spec = self.spec
         columns: dict[Key, torch.Tensor] = {}
-        for key, field in (spec or {}).items():
+        for key, field in (spec.fixed if spec is not None else {}).items():
             if rows:
                 columns[key] = self.column(key)[:rows]  # a view: streamed, never copied whole
             else:
                 columns[key] = torch.empty((0, *field.shape), dtype=field.dtype)
         write_count = 0 if self.memory is None else self.memory.writer.state_dict()["_write_count"]
-        return {"spec": spec, "write_count": int(write_count), "columns": columns}
+        ragged = {key: column.state_rows(rows) for key, column in self.ragged.items()}
+        return {"spec": spec, "write_count": int(write_count), "columns": columns, "ragged": ragged}
 
     def restore(
         self,
@@ -422,10 +464,11 @@ class SlotStorage:
         if rows == 0:
             return  # nothing stored: the storage stays lazy, as in a buffer never written to
         assert self.spec is not None  # prepared by the caller
+        first = self.spec.fixed.zeros(1)
         if ring:  # allocate as the buffer's own first write does (ring: extend; else set)
-            self.extend(self.spec.zeros(1))
+            self.extend(first)
         else:
-            self.write(torch.zeros(1, dtype=torch.long), self.spec.zeros(1))
+            self.write(torch.zeros(1, dtype=torch.long), first)
         for key, column in self._leaves:
             fill(key, column[:rows])  # a view: memmap rows are filled in place, never copied
         if restore_state(self.memory, rows, cursor, writes):  # TorchRL's index column too

@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import (
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_leaf_nontensor,
+)
 
 from replaybuf.storage import resolve_device
 
@@ -32,11 +38,31 @@ class PackedArray:
 
 
 @dataclass(frozen=True)
+class PackedNested:
+    """A ``torch.nested`` jagged tensor in transit: its values and offsets."""
+
+    values: PackedArray
+    offsets: PackedArray
+
+
+@dataclass(frozen=True)
+class PackedObjects:
+    """A non-tensor entry in transit (text, bytes, JSON-like values): the objects, nested as
+    the entry's batch dimensions (a ``NonTensorStack``) or one value (``NonTensorData``)."""
+
+    objects: Any
+    dims: int  # the stack's batch dimensions (0: one NonTensorData)
+
+
+Packed = PackedArray | PackedNested | PackedObjects
+
+
+@dataclass(frozen=True)
 class PackedBatch:
     """A TensorDict in transit: its batch size and its leaves, by nested key, flat."""
 
     batch_size: tuple[int, ...]
-    leaves: tuple[tuple[tuple[str, ...], PackedArray], ...]
+    leaves: tuple[tuple[tuple[str, ...], Packed], ...]
 
 
 def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
@@ -72,12 +98,22 @@ def pack_batch(batch: TensorDictBase) -> PackedBatch:
     """A TensorDict as numpy leaves, so Ray moves it without pickling tensors one by one."""
     if not isinstance(batch, TensorDictBase):
         raise TypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
-    leaves = []
-    for key, value in batch.items(include_nested=True, leaves_only=True):
+    leaves: list[tuple[tuple[str, ...], Packed]] = []
+    for key, value in batch.items(True, True, is_leaf=is_leaf_nontensor):  # objects too
         key = (key,) if isinstance(key, str) else tuple(key)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"batch: field {'.'.join(key)!r} is not a tensor ({value!r})")
-        leaves.append((key, _pack_tensor(value, ".".join(key))))
+        name = ".".join(key)
+        if isinstance(value, NonTensorStack):
+            leaves.append((key, PackedObjects(value.tolist(), len(value.batch_size))))
+        elif isinstance(value, NonTensorData):
+            leaves.append((key, PackedObjects(value.data, 0)))
+        elif isinstance(value, torch.Tensor) and value.is_nested:
+            offsets = value.offsets()  # type: ignore[attr-defined]  # a jagged NestedTensor's
+            nested = PackedNested(_pack_tensor(value.values(), name), _pack_tensor(offsets, name))
+            leaves.append((key, nested))
+        elif isinstance(value, torch.Tensor):
+            leaves.append((key, _pack_tensor(value, name)))
+        else:
+            raise TypeError(f"batch: field {name!r} is not a tensor ({value!r})")
     return PackedBatch(tuple(batch.batch_size), tuple(leaves))
 
 
@@ -94,8 +130,28 @@ def unpack_batch(
     device = resolve_device(device, "device")
     td = TensorDict({}, batch_size=list(packed.batch_size), device=device)
     for key, leaf in packed.leaves:
-        td.set(key, _unpack_tensor(leaf, device, copy))
+        if isinstance(leaf, PackedObjects):
+            td.set(key, _objects(leaf))
+        elif isinstance(leaf, PackedNested):
+            values = _unpack_tensor(leaf.values, device, copy)
+            offsets = _unpack_tensor(leaf.offsets, device, copy)
+            td.set(key, torch.nested.nested_tensor_from_jagged(values, offsets))
+        else:
+            td.set(key, _unpack_tensor(leaf, device, copy))
     return td
+
+
+def _objects(packed: PackedObjects) -> NonTensorData | NonTensorStack:
+    """A non-tensor entry again: one object per row (a list-valued object stays one)."""
+    if not packed.dims:
+        return NonTensorData(packed.objects)
+
+    def stack(rows: list[Any], depth: int) -> NonTensorStack:
+        if depth == 1:
+            return NonTensorStack(*(NonTensorData(o) for o in rows))
+        return NonTensorStack(*(stack(r, depth - 1) for r in rows))
+
+    return stack(packed.objects, packed.dims)
 
 
 def pack_value(value: Any) -> Any:
