@@ -567,6 +567,90 @@ def test_torchrl_layout_carries_ragged_fields() -> None:
         assert layout.steps[e] == 2
 
 
+def as_list(value: Any) -> list[Any]:
+    """A per-row stack of objects (or an empty one) as a list."""
+    return value if isinstance(value, list) else value.tolist()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs, form=st.sampled_from(["nested", "padded"]))
+def test_torchrl_episodes_carry_ragged_fields_over_random_layouts(
+    program: list[tuple[int, int]], form: str
+) -> None:
+    with SyncEpisodeReplayBuffer(400, spec=SPEC, ragged=form) as buf:
+        layout = play(buf, program)
+        for e, steps in layout.steps.items():
+            ended = layout.ended[e] is not None
+            kept = steps if ended else max(steps - 1, 0)  # transitions with an obs after
+            texts = [f"e{e} t{t}" for t in range(steps)]
+            toks = [tokens(e, t) for t in range(steps)]
+            if ended:
+                texts.append(f"e{e} end {steps}")
+                toks.append(final_tokens(e, steps))
+            td = buf.get_episode(e, layout="torchrl")
+            assert td.batch_size == (kept,)
+            if kept == 0:  # no transition yet (or ever: a zero-step episode)
+                assert td["next", "done"].shape == (0, 1)
+                continue
+            assert td["step"].tolist() == list(range(kept))
+            assert td["episode_id"].tolist() == [e] * kept
+            assert as_list(td["observation", "text"]) == texts[:kept]
+            assert as_list(td["next", "observation", "text"]) == texts[1 : kept + 1]
+            assert token_rows(td, "observation") == toks[:kept]
+            assert token_rows(td["next"], "observation") == toks[1 : kept + 1]
+            assert as_list(td["tool"]) == [tool(e, t) for t in range(kept)]
+            assert as_list(td["blob"]) == [blob(e, t) for t in range(kept)]
+            assert td["action"].tolist() == list(range(kept))
+            rewards = [reward(e, t) for t in range(kept)]
+            assert td["next", "reward"].squeeze(-1).tolist() == rewards
+            done = [ended and t == kept - 1 for t in range(kept)]
+            assert td["next", "done"].squeeze(-1).tolist() == done
+            assert td["next", "terminated"].squeeze(-1).tolist() == done
+
+
+@pytest.mark.parametrize("form", ["nested", "padded"])
+def test_a_torchrl_episode_of_a_lone_ragged_or_text_observation(form: str) -> None:
+    spec = {"observation": Field.ragged(torch.int64)}
+    with (
+        SyncEpisodeReplayBuffer(20, spec=spec, ragged=form) as tok,
+        SyncEpisodeReplayBuffer(20, ragged=form) as text,
+    ):
+        for buf, obs, final in ((tok, [[1], [2, 3], [4, 5, 6]], [7]), (text, ["a", "bc"], "d")):
+            e = buf.start_episode()
+            for t, o in enumerate(obs):
+                buf.append_observation_action_reward(e, o, t, 1.0)
+            buf.end_episode(e, "truncated", final)
+            td = buf.get_episode(e, layout="torchrl")
+            rows = [*obs, final]
+            if buf is text:
+                assert td["observation"] == rows[:-1]
+                assert td["next", "observation"] == rows[1:]
+            elif form == "padded":
+                assert padded_rows(td["observation"], td["observation_length"]) == rows[:-1]
+                nxt = td["next"]
+                assert padded_rows(nxt["observation"], nxt["observation_length"]) == rows[1:]
+            else:
+                assert rows_of(td["observation"]) == rows[:-1]
+                assert rows_of(td["next", "observation"]) == rows[1:]
+            assert td["next", "truncated"].squeeze(-1).tolist()[-1] is True
+
+
+def test_frame_stack_refuses_a_ragged_observation_by_name() -> None:
+    with pytest.raises(SchemaError, match=r"spec\['observation.text'\] must be a fixed-shape"):
+        SyncEpisodeReplayBuffer(20, frame_stack=4, spec=SPEC)
+    with SyncEpisodeReplayBuffer(20, frame_stack=4) as buf:
+        e = buf.start_episode()
+        with pytest.raises(TypeError, match="'observation' expected a tensor"):
+            buf.append_observation_action_reward(e, "text", 0, 1.0)
+        assert len(buf) == 0
+        assert buf.spec is None
+    spec = {"observation": torch.zeros(3), "extras": {"note": "text"}}
+    with SyncEpisodeReplayBuffer(20, frame_stack=2, spec=spec) as buf:  # ragged extras: fine
+        e = buf.start_episode()
+        buf.append_observation_action_reward(e, torch.ones(3), 0, 1.0, {"note": "hi"})
+        assert buf.get_episode(e)["note"] == ["hi"]
+
+
 def test_a_bad_ragged_form_is_named() -> None:
     with pytest.raises(ValueError, match="ragged must be one of"):
         SyncEpisodeReplayBuffer(10, ragged="jagged")

@@ -29,6 +29,7 @@ from replaybuf.episodes import (
     STATUSES,
     EpisodeCore,
     check_frame_stack,
+    check_stackable,
     core_stats,
     final_rows_for,
     update_priorities,
@@ -113,6 +114,8 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         self.frame_stack, self.frame_stack_padding = check_frame_stack(
             frame_stack, frame_stack_padding
         )
+        if self.frame_stack is not None and self._declared is not None:
+            check_stackable(self._declared)
         self.max_episodes = (
             None if max_episodes is None else positive_int(max_episodes, "max_episodes")
         )

@@ -2,7 +2,7 @@
 
 from replaybuf.episodes.anchors import AnchorSet
 from replaybuf.episodes.checks import RETURNED_KEYS
-from replaybuf.episodes.config import check_frame_stack, final_rows_for
+from replaybuf.episodes.config import check_frame_stack, check_stackable, final_rows_for
 from replaybuf.episodes.core import EpisodeCore
 from replaybuf.episodes.episode import FRAME_PADDINGS, STATUSES, Episode, RowsPinned
 from replaybuf.episodes.links import SAVED, HostLinks, RowLinks
@@ -22,6 +22,7 @@ __all__ = [
     "RowLinks",
     "RowsPinned",
     "check_frame_stack",
+    "check_stackable",
     "core_state",
     "core_stats",
     "final_rows_for",

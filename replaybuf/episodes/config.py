@@ -7,6 +7,8 @@ from typing import Any
 
 from replaybuf.args import positive_int
 from replaybuf.episodes.episode import FRAME_PADDINGS
+from replaybuf.errors import SchemaError
+from replaybuf.storage import FieldSpec
 
 
 def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
@@ -33,3 +35,15 @@ def check_frame_stack(frame_stack: Any, padding: Any) -> tuple[int | None, str]:
             )
         return None, padding
     return positive_int(frame_stack, "frame_stack"), padding
+
+
+def check_stackable(spec: FieldSpec) -> None:
+    """Frame stacks need one fixed shape per frame: a declared spec whose observation is
+    ragged (token ids, text, JSON) is refused at construction, naming the field."""
+    for key in spec.ragged_keys:
+        if key[0] == "observation":
+            raise SchemaError(
+                f"spec[{'.'.join(key)!r}] must be a fixed-shape field with frame_stack, "
+                f"got {spec[key].describe()} (stack fixed-shape frames; keep ragged data in "
+                "extras)"
+            )

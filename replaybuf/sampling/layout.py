@@ -27,7 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, TensorDict, TensorDictBase
+
+from replaybuf.sampling.ragged import stack_objects
 
 LAYOUTS = ("replaybuf", "torchrl")
 # Keys whose value moves under "next" (with a trailing singleton dim for the flags and reward).
@@ -50,6 +52,8 @@ def torchrl_transitions(batch: TensorDictBase, gamma: float | None) -> TensorDic
     for key, value in batch.items():
         if key == "next_observation":
             next_td.set("observation", value)
+        elif key == "next_observation_length":  # a padded ragged observation's lengths
+            next_td.set("observation_length", value)
         elif key in _NEXT:
             next_td.set(_NEXT[key], value.unsqueeze(-1))
         elif key not in _DROPPED:
@@ -71,21 +75,22 @@ def torchrl_episode(record: TensorDictBase) -> TensorDict:
     layout: step t's observation, action and reward, and obs_{t+1} under ``"next"``. An
     episode in progress has no observation after its last step yet, so that step is left out
     (as sampling leaves it out); ``episode_id`` is per step."""
-    observation = record.get("observation")
     length = int(record.get("length"))
     ended = bool(record.get("terminated")) or bool(record.get("truncated"))
     steps = length if ended else max(length - 1, 0)
     device = record.device
     out = TensorDict({}, batch_size=[steps], device=device)
-    out.set("observation", observation[:steps])
-    next_td = TensorDict({"observation": observation[1 : steps + 1]}, batch_size=[steps])
+    next_td = TensorDict({}, batch_size=[steps], device=device)
     for key, value in record.items():
-        if key in ("observation", "length", "terminated", "truncated", "episode_id"):
+        if key in ("length", "terminated", "truncated", "episode_id"):
             continue
-        if key == "reward":
+        if key in ("observation", "observation_length"):  # obs_0 .. obs_T: this step and next
+            out.set(key, _rows(value, 0, steps))
+            next_td.set(key, _rows(value, 1, steps + 1))
+        elif key == "reward":
             next_td.set("reward", value[:steps].unsqueeze(-1))
         else:
-            out.set(key, value[:steps])
+            out.set(key, _rows(value, 0, steps))
     last = torch.zeros(steps, 1, dtype=torch.bool, device=device)
     if ended and steps:
         last[-1] = True
@@ -96,3 +101,24 @@ def torchrl_episode(record: TensorDictBase) -> TensorDict:
     out.set("episode_id", record.get("episode_id").expand(steps).clone())
     out.set("step", torch.arange(steps, device=device))
     return out
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of an episode record's entry: a tensor, a jagged nested tensor (a
+    ragged field), the ``NonTensorData`` list of a non-tensor field (as a per-row stack) or a
+    TensorDict of them. Plain slicing serves only the first: a jagged tensor cannot be sliced
+    along its batch dimension, and a list-valued ``NonTensorData`` is one item, not rows."""
+    if isinstance(value, NonTensorData):
+        items = value.tolist()[start:stop]
+        return stack_objects(items) if items else NonTensorData([], batch_size=[0])
+    if isinstance(value, TensorDictBase):
+        rows = {key: _rows(entry, start, stop) for key, entry in value.items()}
+        return TensorDict(rows, batch_size=[stop - start], device=value.device)
+    if value.is_nested:
+        offsets = value.offsets()
+        start, stop = min(start, offsets.numel() - 1), min(stop, offsets.numel() - 1)
+        low, high = int(offsets[start]), int(offsets[stop])
+        return torch.nested.nested_tensor_from_jagged(
+            value.values()[low:high], offsets[start : stop + 1] - low
+        )
+    return value[start:stop]

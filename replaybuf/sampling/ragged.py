@@ -104,12 +104,12 @@ def _objects(
     if len(shape) == 2:
         width = shape[1]
         return NonTensorStack(
-            *(_stack(objects[b * width : (b + 1) * width]) for b in range(shape[0]))
+            *(stack_objects(objects[b * width : (b + 1) * width]) for b in range(shape[0]))
         )
-    return _stack(objects)
+    return stack_objects(objects)
 
 
-def _stack(objects: list[Any]) -> NonTensorStack:
+def stack_objects(objects: list[Any]) -> NonTensorStack:
     """One object per row (``from_list`` would read a list-valued object as more rows)."""
     return NonTensorStack(*(NonTensorData(o) for o in objects))
 

@@ -320,7 +320,8 @@ def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
         return _from_list(value, name, field, what)
     raise TypeError(
         f"{what}: field {name!r} expected a tensor, array, number or list of numbers, got "
-        f"{kind_of(value)} (text, bytes, JSON-like and ragged fields: an episode buffer)"
+        f"{kind_of(value)} (text, bytes, JSON-like and ragged fields: an episode buffer "
+        "without frame_stack)"
     )
 
 
