@@ -4,6 +4,8 @@
                                      with shapes and dtypes, size and counters, episodes, bytes
     replaybuf verify DIR             every size and checksum, and the buffer's own meta checks;
                                      exit 0 and "OK", or exit 1 and "FAILED" with every problem
+    replaybuf clean [DIR]            remove the scratch folders of ended processes in DIR
+                                     (default: the temp folder); print each and its bytes
     replaybuf populate --env ID --steps N --out DIR [--policy random] [--num-envs K]
                        [--seed S] [--max-steps M] [--max-episodes E]
                        [--max-episode-steps T] [--force]
@@ -71,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check every size and checksum")
     verify.add_argument("directory", metavar="DIR", help="a checkpoint directory")
     verify.set_defaults(run=_verify)
+    clean = commands.add_parser("clean", help="remove scratch folders of ended processes")
+    clean.add_argument("directory", metavar="DIR", nargs="?", help="where (the temp folder)")
+    clean.set_defaults(run=_clean)
     _populate_parser(commands)
     bench = commands.add_parser("bench", help="run the benchmark suite's quick mode")
     bench.set_defaults(run=_bench)
@@ -144,6 +149,25 @@ def _verify(args: argparse.Namespace) -> int:
         f"OK: {summary['directory']} ({summary['kind']}, {len(summary['tensors'])} tensors,"
         f" {summary['bytes']:,} bytes, every sha256 checked)"
     )
+    return 0
+
+
+def _clean(args: argparse.Namespace) -> int:
+    """Sweep DIR's ``replaybuf-*`` folders whose owner process has ended, and say what went."""
+    from replaybuf.storage.sweep import sweep
+
+    directory = args.directory or tempfile.gettempdir()
+    if not os.path.isdir(directory):
+        raise UsageError(f"DIR: {directory} is not a folder")
+    swept = sweep(directory)
+    for folder, size in swept.removed:
+        print(f"removed {folder} ({size:,} bytes)")
+    total = sum(size for _, size in swept.removed)
+    print(f"{len(swept.removed)} folder(s) removed, {total:,} bytes freed in {directory}")
+    if swept.alive:
+        print(f"kept {len(swept.alive)} folder(s) whose process runs or cannot be checked here")
+    if swept.unstamped:
+        print(f"left {len(swept.unstamped)} replaybuf-* folder(s) without an owner stamp")
     return 0
 
 

@@ -25,6 +25,7 @@ import replaybuf.storage.hugepages
 import replaybuf.storage.space
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
 from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
+from replaybuf.storage.sweep import STAMP
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
 
@@ -151,7 +152,7 @@ def test_too_little_space_raises_before_allocating_and_changes_nothing(
             buf.add_batch(rows(0, 2))
         assert (info.value.needed, info.value.free) == (4 * ROW_BYTES, 100)
         assert buf.spec is None
-        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != STAMP] == []
         monkeypatch.undo()
         buf.add_batch(rows(0, 2))  # still usable once there is room
         assert ids_of(buf.sample_all()) == [0, 1]
@@ -169,7 +170,7 @@ def test_a_full_disk_at_reservation_raises_and_leaves_the_buffer_empty_and_usabl
         with unchanged(buf), pytest.raises(InsufficientSpaceError, match=r"disk at .*needs 180"):
             buf.add_batch(rows(0, 2))
         assert (buf.spec, len(buf.memory)) == (None, 0)
-        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != STAMP] == []
         monkeypatch.undo()
         buf.add_batch(rows(0, 3))
         assert ids_of(buf.sample_all()) == [0, 1, 2]
