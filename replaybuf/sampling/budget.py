@@ -6,8 +6,8 @@ process. Every sampling call of the ring and episode buffers (sync and asyncio a
 is touched, so a refusal leaves the buffer and its random state as they were.
 
 The bytes are an upper bound of the batch's output and the scratch that builds it: every
-stored field of a sampled row (observations again for the next observation, ``k`` times with
-frame stacking), the window's rows and rewards for n-step batches, and
+stored field of a sampled row (for episode batches, counted again for the next observation,
+``k`` times with frame stacking), the window's rows and rewards for n-step batches, and
 :data:`ROW_OVERHEAD` for the draws, ids, weights, masks and window info. Ragged rows count
 their 8-byte span only (their lengths are unknown until drawn).
 
@@ -54,19 +54,16 @@ def ensure_batch_fits(
 
 
 def transition_bytes(spec: FieldSpec | None, stack: int = 1, window: int = 0) -> int:
-    """Bytes of one sampled transition's fields: each field once, observations ``2 * stack``
-    times (both ends of the window, ``stack`` frames each), plus ``window`` steps of an
-    n-step window's scratch. ``spec`` None (nothing stored yet): 0."""
-    if spec is None:
-        return window * WINDOW_STEP
-    observed = sum(spec[key].row_bytes for key in spec if key[0] == "observation")
-    return spec.row_bytes + observed * (2 * stack - 1) + window * WINDOW_STEP
+    """An upper bound of one sampled transition's bytes: every field ``2 * stack`` times
+    (observations are gathered at both window ends, ``stack`` frames each; counting every
+    field so keeps this one cached sum, cheap on the sampling path), plus ``window`` steps
+    of an n-step window's scratch. ``spec`` None (nothing stored yet): the scratch only."""
+    row = 0 if spec is None else spec.row_bytes
+    return row * 2 * stack + window * WINDOW_STEP
 
 
 def sequence_bytes(spec: FieldSpec | None, seq_len: int, stack: int = 1) -> int:
-    """Bytes of one sampled sequence: ``seq_len`` steps of every field (observations
-    ``stack + 1`` times: the step's and the next one's frames) and their overhead."""
-    if spec is None:
-        return seq_len * ROW_OVERHEAD
-    observed = sum(spec[key].row_bytes for key in spec if key[0] == "observation")
-    return seq_len * (spec.row_bytes + observed * stack + ROW_OVERHEAD)
+    """An upper bound of one sampled sequence's bytes: ``seq_len`` steps of every field
+    ``stack + 1`` times (a step's frames and the next observation's) and their overhead."""
+    row = 0 if spec is None else spec.row_bytes
+    return seq_len * (row * (stack + 1) + ROW_OVERHEAD)

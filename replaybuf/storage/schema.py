@@ -171,9 +171,10 @@ class FieldSpec(Mapping[Key, Field]):
             keys = self._groups[names] = tuple(k for k in self._fields if k[0] in names)
         return keys
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
-        """Bytes one row of every field occupies."""
+        """Bytes one row of every field occupies (computed once: the spec is immutable, and
+        every sample's memory check asks)."""
         return sum(f.row_bytes for f in self._fields.values())
 
     @classmethod
