@@ -10,18 +10,25 @@ from replaybuf.buffers import (
 from replaybuf.collect import collect
 from replaybuf.core import compute_discounted_return, compute_importance_weights, sequence_priority
 from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     BufferClosedError,
+    CapacityError,
     CheckpointError,
     CheckpointKindError,
     CorruptCheckpointError,
     EmptyBufferError,
     EpisodeStateError,
+    IndexOutOfRangeError,
     InsufficientSpaceError,
+    InvalidStateError,
     MetadataError,
     NoCheckpointError,
     ReplayBufError,
     SchemaError,
+    UnknownFieldError,
     UnsafeCheckpointError,
+    UnsupportedError,
     UnsupportedVersionError,
 )
 from replaybuf.storage import Field, FieldSpec
@@ -29,7 +36,10 @@ from replaybuf.storage import Field, FieldSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BufferClosedError",
+    "CapacityError",
     "CheckpointError",
     "CheckpointKindError",
     "CorruptCheckpointError",
@@ -38,7 +48,9 @@ __all__ = [
     "EpisodeStateError",
     "Field",
     "FieldSpec",
+    "IndexOutOfRangeError",
     "InsufficientSpaceError",
+    "InvalidStateError",
     "MetadataError",
     "NoCheckpointError",
     "ReplayBufError",
@@ -46,7 +58,9 @@ __all__ = [
     "ReplayDataset",
     "SchemaError",
     "SyncEpisodeReplayBuffer",
+    "UnknownFieldError",
     "UnsafeCheckpointError",
+    "UnsupportedError",
     "UnsupportedVersionError",
     "__version__",
     "as_dataset",

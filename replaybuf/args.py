@@ -8,8 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.errors import ArgumentError, ArgumentTypeError, IndexOutOfRangeError
+
 _CPU = torch.device("cpu")
 NArg = int | tuple[int, int]  # an n-step n, or a (low, high) range drawn per sample
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a torch.long (and every size) holds
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64)
 
 
 def host_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -23,16 +27,51 @@ def host_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def positive_int(value: Any, name: str) -> int:
-    """``value`` as an int >= 1, else ``TypeError`` / ``ValueError`` naming ``name``."""
+    """``value`` as an int in [1, 2**63), else :class:`ArgumentTypeError` /
+    :class:`ArgumentError` naming ``name``."""
     return int_at_least(value, name, 1)
 
 
-def int_at_least(value: Any, name: str, low: int) -> int:
+def int_at_least(value: Any, name: str, low: int, high: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[low, high]`` (``high``: int64's largest, by default, so that
+    no size or count overflows torch's), else an error naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}", argument=name
+        )
     if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise ArgumentError(f"{name} must be >= {low}, got {value}", argument=name)
+    if value > high:
+        bound = "2**63 - 1 (int64)" if high == INT64_MAX else f"{high}"
+        raise ArgumentError(f"{name} must be <= {bound}, got {value}", argument=name)
     return int(value)
+
+
+def check_min_steps(min_steps: Any, max_steps: int) -> int:
+    """``min_steps`` in [0, ``max_steps``]: a buffer holds at most ``max_steps`` valid steps,
+    so a larger minimum would refuse every sample forever."""
+    min_steps = int_at_least(min_steps, "min_steps", 0)
+    if min_steps > max_steps:
+        raise ArgumentError(
+            f"min_steps must be <= max_steps ({max_steps}): the buffer never holds more valid "
+            f"steps than max_steps, got min_steps={min_steps}",
+            argument="min_steps",
+        )
+    return min_steps
+
+
+def check_seed(seed: Any, name: str = "seed") -> int | None:
+    """A generator seed: None, or an int in [0, 2**64) (what ``manual_seed`` accepts)."""
+    return None if seed is None else int_at_least(seed, name, 0, SEED_MAX)
+
+
+def check_int64(value: int, name: str, error: type[Exception] = ArgumentError) -> int:
+    """A Python int that torch stores as int64, else ``error`` naming ``name`` (a field)."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise error(  # type: ignore[call-arg]
+            f"{name} holds {value}, beyond int64 [-2**63, 2**63 - 1]", argument=name
+        )
+    return value
 
 
 def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> torch.Tensor:
@@ -43,44 +82,79 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
     if isinstance(indices, (range, Sequence)) and not isinstance(indices, (str, bytes)):
         indices = list(indices)
         if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in indices):
-            raise TypeError(f"{name} must hold ints, got {indices!r}")
-        tensor = torch.tensor(indices, dtype=torch.long, device=_CPU)
+            raise ArgumentTypeError(f"{name} must hold ints, got {indices!r}", argument=name)
+        try:
+            tensor = torch.tensor(indices, dtype=torch.long, device=_CPU)
+        except (OverflowError, RuntimeError, ValueError):  # an int beyond int64
+            bad = next(i for i in indices if not INT64_MIN <= i <= INT64_MAX)
+            raise IndexOutOfRangeError(
+                f"{name} must lie in [0, {size}) (the stored items), got {bad}", argument=name
+            ) from None
     elif isinstance(indices, np.ndarray):
         if indices.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")
+            raise ArgumentTypeError(
+                f"{name} must hold integers, got dtype {indices.dtype}", argument=name
+            )
         tensor = torch.from_numpy(np.ascontiguousarray(indices))  # reversed views have -strides
     elif isinstance(indices, torch.Tensor):
         tensor = indices
     else:
-        raise TypeError(f"{name} must be a list, range, array or tensor of ints, got {indices!r}")
+        raise ArgumentTypeError(
+            f"{name} must be a list, range, array or tensor of ints, got {indices!r}",
+            argument=name,
+        )
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integers, got dtype {tensor.dtype}")
+        raise ArgumentTypeError(
+            f"{name} must hold integers, got dtype {tensor.dtype}", argument=name
+        )
     tensor = tensor.reshape(-1).to(torch.long)
     if tensor.numel():
         low, high = int(tensor.min()), int(tensor.max())
         if low < 0 or high >= size:
             bad = low if low < 0 else high
-            raise IndexError(f"{name} must lie in [0, {size}) (the stored items), got {bad}")
+            raise IndexOutOfRangeError(
+                f"{name} must lie in [0, {size}) (the stored items), got {bad}", argument=name
+            )
     return tensor.to(device)
 
 
-def check_n(n: Any) -> NArg:
-    """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high."""
+def check_n(n: Any, longest: int = INT64_MAX) -> NArg:
+    """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high; neither
+    above ``longest``, the longest window the buffer can ever hold (its ``max_steps``: a
+    window never crosses an episode's end, and no episode is longer). A larger n gives the
+    same windows, at a cost that grows with n, so it is refused rather than clamped."""
     if isinstance(n, tuple | list):
         if len(n) != 2:
-            raise ValueError(f"n must be an int or a (low, high) pair, got {n!r}")
+            raise ArgumentError(f"n must be an int or a (low, high) pair, got {n!r}", argument="n")
         low = positive_int(n[0], "n[0] (low)")
         high = positive_int(n[1], "n[1] (high)")
         if high < low:
-            raise ValueError(f"n must have low <= high, got {tuple(n)!r}")
+            raise ArgumentError(f"n must have low <= high, got {tuple(n)!r}", argument="n")
+        _within(high, "n[1] (high)", longest)
         return (low, high)
-    return positive_int(n, "n")
+    return _within(positive_int(n, "n"), "n", longest)
+
+
+def check_length(length: Any, name: str, longest: int) -> int:
+    """A window length (``seq_len``) in [1, ``longest``], the longest episode the buffer can
+    hold; see :func:`check_n`."""
+    return _within(positive_int(length, name), name, longest)
+
+
+def _within(value: int, name: str, longest: int) -> int:
+    if value > longest:
+        raise ArgumentError(
+            f"{name} must be <= {longest} (max_steps: no episode, so no window, is longer), "
+            f"got {value}",
+            argument=name.split(" ")[0].split("[")[0],
+        )
+    return value
 
 
 def check_gamma(gamma: Any) -> float:
     """A discount in (0, 1], as a float."""
     if isinstance(gamma, bool) or not isinstance(gamma, int | float | np.integer | np.floating):
-        raise TypeError(f"gamma must be a float in (0, 1], got {gamma!r}")
+        raise ArgumentTypeError(f"gamma must be a float in (0, 1], got {gamma!r}", argument="gamma")
     if not 0.0 < float(gamma) <= 1.0:
-        raise ValueError(f"gamma must lie in (0, 1], got {gamma}")
+        raise ArgumentError(f"gamma must lie in (0, 1], got {gamma}", argument="gamma")
     return float(gamma)

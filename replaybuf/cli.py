@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import replaybuf
+from replaybuf.args import INT64_MAX, SEED_MAX
 from replaybuf.errors import CheckpointError, ReplayBufError
 from replaybuf.persist import episodes as episode_checkpoint
 from replaybuf.persist import ring as buffer_checkpoint
@@ -95,7 +96,9 @@ def _populate_parser(commands: Any) -> None:
     populate.add_argument(
         "--num-envs", type=_count(1), default=1, metavar="K", help="sub-environments (1)"
     )
-    populate.add_argument("--seed", type=_count(0), default=None, metavar="S", help="reset seed")
+    populate.add_argument(
+        "--seed", type=_count(0, SEED_MAX), default=None, metavar="S", help="reset seed"
+    )
     populate.add_argument(
         "--max-steps", type=_count(1), default=None, metavar="M", help="buffer capacity (N)"
     )
@@ -111,8 +114,8 @@ def _populate_parser(commands: Any) -> None:
     populate.set_defaults(run=_populate)
 
 
-def _count(low: int) -> Any:
-    """An argparse type: an int >= ``low``."""
+def _count(low: int, high: int = INT64_MAX) -> Any:
+    """An argparse type: an int in [``low``, ``high``] (int64's largest by default)."""
 
     def parse(text: str) -> int:
         try:
@@ -121,6 +124,8 @@ def _count(low: int) -> Any:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {high}, got {value}")
         return value
 
     return parse
@@ -199,6 +204,12 @@ def _populate(args: argparse.Namespace) -> int:
             stats = collect(envs, _random_policy(envs), buf, args.steps, seed=args.seed)
             held = buf.stats()
             buf.save_checkpoint(out)
+    except ReplayBufError as exc:  # one the flags caused: named by the flag, exit status 2
+        flag = _POPULATE_FLAGS.get(exc.argument or "")
+        if flag is None:
+            raise
+        hint = _POPULATE_HINTS.get(flag, "")
+        raise UsageError(f"{flag}: {exc}{hint}") from None
     finally:
         envs.close()
     returns = stats["returns"]
@@ -215,6 +226,14 @@ def _populate(args: argparse.Namespace) -> int:
         )
     print(f"inspect it: {PROG} inspect {out}")
     return 0
+
+
+# The buffer arguments populate passes from its flags (the capacity: --max-steps, else --steps).
+_POPULATE_FLAGS = {"max_steps": "--max-steps", "max_episodes": "--max-episodes", "seed": "--seed"}
+_POPULATE_HINTS = {
+    "--max-steps": " (an episode needs more steps than the buffer holds: give a larger "
+    "--max-steps, or cut episodes with --max-episode-steps)",
+}
 
 
 def _random_policy(envs: Any) -> Any:

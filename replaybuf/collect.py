@@ -42,7 +42,7 @@ import torch
 
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.buffers import EpisodeReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.errors import ReplayBufError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, InvalidStateError, ReplayBufError
 from replaybuf.storage import to_leaves
 
 Observation = np.ndarray | dict[str, Any]  # a batch: [num_envs, ...], or a dict of those
@@ -90,7 +90,7 @@ def collect(
     if seed is not None:
         seed = int_at_least(seed, "seed", 0)
     if not isinstance(agent_id, str):
-        raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+        raise ArgumentTypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
     num_envs, mode = _vector_env(envs)
     run = _Run(envs, policy, sync, num_envs, mode, torch_policy, agent_id)
     started = time.perf_counter()
@@ -244,7 +244,7 @@ def _sync_buffer(buffer: Any) -> SyncEpisodeReplayBuffer:
         return buffer.sync
     if isinstance(buffer, SyncEpisodeReplayBuffer):
         return buffer
-    raise TypeError(
+    raise ArgumentTypeError(
         "buffer must be a SyncEpisodeReplayBuffer or an EpisodeReplayBuffer (collect writes "
         f"episodes), got {type(buffer).__name__}"
     )
@@ -255,14 +255,14 @@ def _vector_env(envs: Any) -> tuple[int, str]:
     needed = ("num_envs", "single_action_space", "single_observation_space", "step", "reset")
     missing = [name for name in needed if not hasattr(envs, name)]
     if missing:
-        raise TypeError(
+        raise ArgumentTypeError(
             "envs must be a gymnasium vector environment (gymnasium.make_vec(...)), got "
             f"{type(envs).__name__} without {', '.join(missing)}"
         )
     mode = getattr(envs, "metadata", {}).get("autoreset_mode", NEXT_STEP)
     mode = getattr(mode, "value", mode)  # gymnasium.vector.AutoresetMode or its value
     if mode not in (NEXT_STEP, SAME_STEP, DISABLED):
-        raise ValueError(f"envs: unknown autoreset mode {mode!r}")
+        raise ArgumentError(f"envs: unknown autoreset mode {mode!r}")
     return positive_int(envs.num_envs, "envs.num_envs"), mode
 
 
@@ -285,7 +285,7 @@ def _check_observations(observations: Any, num_envs: int) -> None:
     for name, value in _leaves(observations, "observation"):
         if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != num_envs:
             got = getattr(value, "shape", type(value).__name__)
-            raise ValueError(
+            raise ArgumentError(
                 f"{WHAT}: envs returned {name} expected an array with leading dimension "
                 f"{num_envs} (num_envs), got {got}"
             )
@@ -296,7 +296,7 @@ def _check_actions(actions: Any, space: Any, num_envs: int, first: bool) -> None
     shape = tuple(actions.shape)
     expected = (num_envs, *(space.shape or ()))
     if shape != expected:
-        raise ValueError(
+        raise ArgumentError(
             f"{WHAT}: policy actions expected shape {list(expected)} (num_envs and the "
             f"action space {space}), got {list(shape)}"
         )
@@ -305,7 +305,7 @@ def _check_actions(actions: Any, space: Any, num_envs: int, first: bool) -> None
     values = actions.numpy() if isinstance(actions, torch.Tensor) else actions
     for i in range(num_envs):
         if not space.contains(values[i]):
-            raise ValueError(
+            raise ArgumentError(
                 f"{WHAT}: policy action for env {i} expected to lie in the action space "
                 f"{space}, got {values[i]!r} (dtype {values.dtype})"
             )
@@ -318,7 +318,7 @@ def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
             out += _leaves(value, f"{prefix}.{key}")
         return out
     if isinstance(tree, tuple):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{WHAT}: {prefix} expected arrays or dicts of arrays, got a tuple (Tuple spaces "
             "are not supported)"
         )
@@ -357,7 +357,7 @@ def _reached(observations: Any, infos: Mapping[str, Any], done: np.ndarray, mode
         return observations
     finals = infos.get("final_obs")
     if finals is None:
-        raise RuntimeError(f"{WHAT}: SAME_STEP autoreset expected info['final_obs'], got none")
+        raise InvalidStateError(f"{WHAT}: SAME_STEP autoreset expected info['final_obs'], got none")
     reached = _map(np.copy, observations)
     for i in np.flatnonzero(done).tolist():
         _put(reached, i, finals[i])

@@ -8,7 +8,47 @@ from __future__ import annotations
 
 
 class ReplayBufError(Exception):
-    """Base class of every error replaybuf raises on purpose."""
+    """Base class of every error replaybuf raises on purpose.
+
+    ``argument``: the parameter (or data field) the error is about, where one is, so that a
+    caller such as the command line can name its own flag for it; None otherwise. It survives
+    pickling (``BaseException`` pickles the instance dict).
+    """
+
+    def __init__(self, *args: object, argument: str | None = None) -> None:
+        super().__init__(*args)
+        self.argument = argument
+
+
+class ArgumentError(ReplayBufError, ValueError):
+    """An argument whose value cannot work: out of range, over int64, beyond the buffer."""
+
+
+class ArgumentTypeError(ReplayBufError, TypeError):
+    """An argument (or a written value) of a type the call does not take."""
+
+
+class IndexOutOfRangeError(ReplayBufError, IndexError):
+    """An index or id outside the items the buffer stores or ever stored."""
+
+
+class UnknownFieldError(ReplayBufError, KeyError):
+    """A field or key name the buffer (or a batch) does not have."""
+
+    def __str__(self) -> str:  # the message as given, not KeyError's repr of it
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class CapacityError(ReplayBufError, ValueError):
+    """More than the buffer's capacity can hold, e.g. an episode longer than ``max_steps``."""
+
+
+class InvalidStateError(ReplayBufError, RuntimeError):
+    """A call the buffer's (or an iterator's) current state does not allow."""
+
+
+class UnsupportedError(ReplayBufError, NotImplementedError):
+    """A combination of options replaybuf does not implement; the message says which."""
 
 
 class SchemaError(ReplayBufError, ValueError):
@@ -32,18 +72,20 @@ class MetadataError(ReplayBufError, ValueError):
 
 
 class InsufficientSpaceError(ReplayBufError, MemoryError):
-    """The storing device or disk cannot hold the buffer; raised before anything is allocated."""
+    """The storing device or disk cannot hold the buffer, or the training device a batch;
+    raised before anything is allocated. ``what`` names what needs the space."""
 
-    def __init__(self, where: str, needed: int, free: int) -> None:
+    def __init__(self, where: str, needed: int, free: int, what: str = "the buffer") -> None:
         self.where = where
         self.needed = needed
         self.free = free
+        self.what = what
         super().__init__(
-            f"not enough space on {where}: the buffer needs {needed:,} bytes, {free:,} are free"
+            f"not enough space on {where}: {what} needs {needed:,} bytes, {free:,} are free"
         )
 
     def __reduce__(self) -> tuple:  # picklable (Ray, multiprocessing): rebuild from the fields
-        return type(self), (self.where, self.needed, self.free)
+        return type(self), (self.where, self.needed, self.free, self.what), self.__dict__
 
 
 class CheckpointError(ReplayBufError, RuntimeError):
@@ -82,4 +124,4 @@ class UnsupportedVersionError(CheckpointError, ValueError):
         )
 
     def __reduce__(self) -> tuple:  # picklable (Ray, multiprocessing): rebuild from the fields
-        return type(self), (self.version, self.supported, self.where)
+        return type(self), (self.version, self.supported, self.where), self.__dict__

@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 import torch
 from tensordict import TensorDict
 
-from replaybuf.args import NArg, int_at_least
+from replaybuf.args import NArg, check_min_steps
 from replaybuf.buffers.dataset import ReplayDataset
 from replaybuf.buffers.episodes import SyncEpisodeReplayBuffer
 from replaybuf.episodes import RowsPinned
@@ -334,8 +334,9 @@ class EpisodeReplayBuffer:
             batches.close()
 
     async def wait_for_steps(self, min_steps: int) -> None:
-        """Return once at least ``min_steps`` valid steps are stored (no polling)."""
-        need = int_at_least(min_steps, "min_steps", 0)
+        """Return once at least ``min_steps`` valid steps are stored (no polling); more than
+        ``max_steps``, which would wait forever, is refused."""
+        need = check_min_steps(min_steps, self._sync.max_steps)
         self._sync._check_open()
         if len(self._sync) >= need:
             return

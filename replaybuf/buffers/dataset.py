@@ -47,6 +47,7 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from replaybuf.args import NArg, check_gamma, check_n, positive_int
+from replaybuf.errors import ArgumentError, ArgumentTypeError, InvalidStateError
 
 
 def keep_batch(batch: TensorDict) -> TensorDict:
@@ -66,7 +67,7 @@ class ReplayDataset(IterableDataset):
     def __iter__(self) -> Iterator[TensorDict]:
         info = get_worker_info()
         if info is not None:
-            raise RuntimeError(
+            raise InvalidStateError(
                 f"ReplayDataset expected to run in the training process (num_workers=0), got "
                 f"DataLoader worker {info.id} of {info.num_workers}: a worker samples a copy of "
                 "the buffer frozen at fork time, missing every later write"
@@ -78,7 +79,7 @@ class ReplayDataset(IterableDataset):
             yield self._sample()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
+        raise ArgumentTypeError(
             "ReplayDataset cannot be pickled (DataLoader workers, spawn): it samples a live "
             "buffer of this process; use num_workers=0"
         )
@@ -115,7 +116,7 @@ def as_dataset(
     check_dataset_args(batch_size, strict)
     make = getattr(type(buffer), "as_dataset", None)
     if make is None:
-        raise TypeError(
+        raise ArgumentTypeError(
             "buffer must be a ReplayBuffer, SyncEpisodeReplayBuffer or EpisodeReplayBuffer, "
             f"got {type(buffer).__name__}"
         )
@@ -127,7 +128,7 @@ def check_dataset_args(batch_size: Any, strict: Any) -> int:
     """``batch_size`` as an int >= 1, after checking that ``strict`` is a bool."""
     batch_size = positive_int(batch_size, "batch_size")
     if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+        raise ArgumentTypeError(f"strict must be a bool, got {type(strict).__name__}")
     return batch_size
 
 
@@ -138,7 +139,7 @@ def transitions_dataset(
     pairs = (("n", n), ("seq_len", seq_len), ("gamma", gamma))
     given = [f"{name}={value!r}" for name, value in pairs if value is not None]
     if given:
-        raise ValueError(
+        raise ArgumentError(
             "a ReplayBuffer samples stored transitions: expected n, seq_len and gamma unset "
             f"(n-step returns and sequences need an episode buffer), got {', '.join(given)}"
         )
@@ -163,12 +164,12 @@ def episodes_dataset(
             f"sample_n_step({batch_size}, n={n}, gamma={gamma})",
         )
     if n is not None:
-        raise ValueError(
+        raise ArgumentError(
             f"give n (n-step transitions) or seq_len (sequences), not both; got n={n!r} "
             f"and seq_len={seq_len!r}"
         )
     if gamma is not None:
-        raise ValueError(f"gamma applies to n-step transitions, not sequences; got {gamma!r}")
+        raise ArgumentError(f"gamma applies to n-step transitions, not sequences; got {gamma!r}")
     seq_len = positive_int(seq_len, "seq_len")
     return ReplayDataset(
         lambda: sample_sequences(batch_size, seq_len, strict=strict),

@@ -18,6 +18,7 @@ from replaybuf.buffers.locking import synchronized
 from replaybuf.episodes import (
     EpisodeCore,
 )
+from replaybuf.errors import ArgumentError
 from replaybuf.persist import episodes as episode_checkpoint
 from replaybuf.persist import metadata
 from replaybuf.persist.episodes import EpisodeParts
@@ -155,7 +156,7 @@ class EpisodePersistence:
         self._check_open()
         target = self._home if directory is None else Path(directory)
         if target is None:
-            raise ValueError(
+            raise ArgumentError(
                 "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
             )
         self._core.pin()

@@ -20,7 +20,15 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from replaybuf.args import NArg, check_gamma, check_n, int_at_least, positive_int
+from replaybuf.args import (
+    NArg,
+    check_gamma,
+    check_length,
+    check_min_steps,
+    check_n,
+    check_seed,
+    positive_int,
+)
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
 from replaybuf.buffers.episode_epochs import EpisodeEpochs
 from replaybuf.buffers.episode_state import EpisodePersistence
@@ -34,7 +42,7 @@ from replaybuf.episodes import (
     final_rows_for,
     update_priorities,
 )
-from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, BufferClosedError, EmptyBufferError
 from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
     DeviceDraws,
@@ -47,6 +55,7 @@ from replaybuf.sampling import (
     torchrl_episode,
     torchrl_transitions,
 )
+from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
 
 KIND = "EpisodeReplayBuffer"
@@ -119,12 +128,12 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         self.max_episodes = (
             None if max_episodes is None else positive_int(max_episodes, "max_episodes")
         )
-        self.min_steps = int_at_least(min_steps, "min_steps", 0)
+        self.min_steps = check_min_steps(min_steps, self.max_steps)
         self.layout = check_layout(layout)
         self.device = resolve_device(device, "device")
         self.storing_device = resolve_device(storing_device, "storing_device")
         kind = resolve_kind(storage, self.storing_device)
-        seed = None if seed is None else int_at_least(seed, "seed", 0)
+        seed = check_seed(seed)
         self._storage = (kind, scratch_dir)  # what a fresh core's storage is made of
         self._priority = (alpha, beta, eps, priority_backend) if prioritized else None
         self._core = self._new_core()
@@ -189,7 +198,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         """Start an episode and return its id; may evict to respect ``max_episodes``."""
         self._check_open()
         if not isinstance(agent_id, str):
-            raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+            raise ArgumentTypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
         return self._core.start(agent_id)
 
     def append_observation_action_reward(
@@ -250,16 +259,16 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             episodes = core.repeat_batch(ids)  # a vectorized env's usual call: checked last time
             if episodes is None:
                 if not ids:
-                    raise ValueError("episode_ids must name at least one episode, got none")
+                    raise ArgumentError("episode_ids must name at least one episode, got none")
                 episodes = core.in_progress_all(ids, "append to")  # names a bad id (an array...)
                 if len(set(map(id, episodes))) != len(ids):
-                    raise ValueError(f"episode_ids must be distinct, got {ids}")
+                    raise ArgumentError(f"episode_ids must be distinct, got {ids}")
             if core.append_many(episodes, observations, actions, rewards, extras):
                 return
             rows = core.step_row(observations, actions, rewards, extras, True, "append_batch")
             got = next(iter(rows.values())).shape[0]
             if got != len(ids):
-                raise ValueError(
+                raise ArgumentError(
                     f"append_batch: leading dimension expected {len(ids)} "
                     f"(len(episode_ids)), got {got}"
                 )
@@ -274,13 +283,13 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         """End an episode: ``terminated`` (or ARES's ``COMPLETED``) or ``truncated``."""
         self._check_open()
         if not isinstance(status, str) or status.lower() not in STATUSES:
-            raise ValueError(
+            raise ArgumentError(
                 f"status must be 'terminated', 'truncated' or 'COMPLETED', got {status!r}"
             )
         core = self._core
         episode = core.in_progress(episode_id, "end")
         if final_observation is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"end_episode: final_observation is required (episode {episode_id}), got None"
             )
         end_kind = STATUSES[status.lower()]
@@ -307,6 +316,11 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             )
         self._core.flush()
 
+    def _ensure_fits(self, count: int, row_bytes: int, what: str = "batch") -> None:
+        """Refuse a batch the delivering or storing device has no memory for (before the
+        generator draws: :mod:`replaybuf.sampling.budget`)."""
+        ensure_batch_fits(count, row_bytes, (self.device, self.storing_device), what)
+
     @synchronized
     def sample_n_step(
         self,
@@ -324,9 +338,11 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         buffer's).
         """
         batch_size = positive_int(batch_size, "batch_size")
-        n, gamma = check_n(n), check_gamma(gamma)
+        n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
         torchrl = self._torchrl(layout)
         self._require_steps("sample")
+        window = n[1] if isinstance(n, tuple) else n
+        self._ensure_fits(batch_size, transition_bytes(self.spec, self.frame_stack or 1, window))
         batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
         return torchrl_transitions(batch, gamma) if torchrl else batch
 
@@ -340,9 +356,10 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
         """
         batch_size = positive_int(batch_size, "batch_size")
-        seq_len = positive_int(seq_len, "seq_len")
+        seq_len = check_length(seq_len, "seq_len", self.max_steps)
         torchrl = self._torchrl(layout)
         self._require_steps("sample sequences")
+        self._ensure_fits(batch_size, sequence_bytes(self.spec, seq_len, self.frame_stack or 1))
         batch = self._chosen_paths().sequences(batch_size, seq_len, strict)
         return torchrl_transitions(batch, None) if torchrl else batch
 
@@ -356,14 +373,14 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         """
         self._check_open()
         if self._core.priorities is None:
-            raise ValueError("update_priorities needs a buffer made with prioritized=True")
+            raise ArgumentError("update_priorities needs a buffer made with prioritized=True")
         return update_priorities(self._core, index, priority)
 
     @synchronized
     def set_beta(self, beta: float) -> None:
         """Change the importance-weight exponent (anneal it towards 1 during training)."""
         if self._core.priorities is None:
-            raise ValueError("set_beta needs a buffer made with prioritized=True")
+            raise ArgumentError("set_beta needs a buffer made with prioritized=True")
         self._core.priorities.beta = check_beta(beta)
 
     # ----------------------------------------------------------------- episodes
@@ -390,7 +407,9 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         ids = list(self._core.episodes)
         if not ids:
             raise EmptyBufferError("cannot sample episodes: the buffer holds none")
-        if replace:
+        if replace:  # k draws of episodes of the mean stored length
+            length = -(-self._core.steps // len(ids)) + 1
+            self._ensure_fits(k, length * transition_bytes(self.spec, self.frame_stack or 1))
             picks = torch.randint(
                 0, len(ids), (k,), generator=self._generator, device=self.storing_device
             )

@@ -21,13 +21,21 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import NArg, index_tensor, int_at_least, positive_int
+from replaybuf.args import NArg, check_seed, index_tensor, positive_int
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
 from replaybuf.buffers.ring_state import RingPersistence
-from replaybuf.errors import BufferClosedError, EmptyBufferError, SchemaError
+from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BufferClosedError,
+    EmptyBufferError,
+    SchemaError,
+    UnknownFieldError,
+)
 from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
+from replaybuf.sampling.budget import ensure_batch_fits
 from replaybuf.storage import (
     NORMAL_TENSORS,
     FieldSpec,
@@ -90,8 +98,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         self.storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
         kind = resolve_kind(storage, self.storing_device)
-        if seed is not None:
-            seed = int_at_least(seed, "seed", 0)
+        seed = check_seed(seed)
         self.print_gc_warning = print_gc_warning
         self._priorities = (
             Prioritizer(capacity, self.storing_device, alpha, beta, eps, priority_backend)
@@ -230,7 +237,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
         self._check_open()
         if isinstance(experience, TensorDictBase) and experience.batch_dims:
-            raise ValueError(
+            raise ArgumentError(
                 "add expects one transition (batch_size []), got batch_size "
                 f"{list(experience.batch_size)}; use add_batch for batches"
             )
@@ -303,6 +310,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         lock.acquire()
         try:
             self._require(batch_size)
+            spec = self._slots.spec
+            if spec is not None:  # before the draws: a refusal leaves the generator as it was
+                ensure_batch_fits(batch_size, spec.row_bytes, (self.device, self.storing_device))
             if self._priorities is not None:
                 slots, weight = self._priorities.draw(batch_size, self._generator)
                 extra = ring_keys(slots, weight, self._writes, self.buffer_size, self.device)
@@ -340,7 +350,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         """
         self._check_open()
         if self._priorities is None:
-            raise ValueError("update_priorities needs a buffer made with prioritized=True")
+            raise ArgumentError("update_priorities needs a buffer made with prioritized=True")
         return update_ring(
             self._priorities,
             index,
@@ -355,7 +365,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
     def set_beta(self, beta: float) -> None:
         """Change the importance-weight exponent (anneal it towards 1 during training)."""
         if self._priorities is None:
-            raise ValueError("set_beta needs a buffer made with prioritized=True")
+            raise ArgumentError("set_beta needs a buffer made with prioritized=True")
         self._priorities.beta = check_beta(beta)
 
     def sample_random(self, batch_size: int) -> TensorDict:
@@ -376,7 +386,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         """Some fields of the transitions in the given slots: a tensor, or a tuple in order."""
         self._require()
         if isinstance(fields, str) or not fields:
-            raise TypeError(f"fields must be a non-empty list of field names, got {fields!r}")
+            raise ArgumentTypeError(
+                f"fields must be a non-empty list of field names, got {fields!r}"
+            )
         keys = [self._field_key(f) for f in fields]
         slots = index_tensor(indices, "indices", self._size, self.storing_device)
         td = self._slots.gather(slots, self.device, keys=keys)
@@ -390,7 +402,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             key = tuple(field.split("."))  # "next.obs", as stats() and errors name it
         if spec is None or key not in spec:
             known = [".".join(k) for k in spec] if spec is not None else []
-            raise KeyError(f"unknown field {field!r}; stored fields are {known}")
+            raise UnknownFieldError(f"unknown field {field!r}; stored fields are {known}")
         return key
 
     @synchronized

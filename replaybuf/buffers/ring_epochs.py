@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.buffers.locking import synchronized
 from replaybuf.core import epoch_batches, num_batches
+from replaybuf.errors import InvalidStateError
 from replaybuf.priority import Prioritizer, ring_keys
 from replaybuf.storage import (
     SlotStorage,
@@ -108,7 +109,7 @@ class RingEpochs:
     ) -> TensorDict:
         self._check_open()
         if self._resets != resets:
-            raise RuntimeError(
+            raise InvalidStateError(
                 "epoch iterator expected the rows it planned, got a buffer reset since; "
                 "create a new iterator"
             )

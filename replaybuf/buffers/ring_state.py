@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.buffers.locking import synchronized
-from replaybuf.errors import MetadataError
+from replaybuf.errors import ArgumentError, MetadataError
 from replaybuf.persist import metadata
 from replaybuf.persist import ring as buffer_checkpoint
 from replaybuf.persist.ring import RingParts
@@ -200,7 +200,7 @@ class RingPersistence:
         self._check_open()
         directory = self._home if directory is None else directory
         if directory is None:
-            raise ValueError(
+            raise ArgumentError(
                 "save_checkpoint() needs a directory: this buffer was not made by open(directory)"
             )
         return buffer_checkpoint.save(cast("ReplayBuffer", self), directory, durable)

@@ -31,14 +31,10 @@ from tensordict import NonTensorData
 
 from replaybuf.buffers import SyncEpisodeReplayBuffer
 from replaybuf.core import compute_discounted_return
-from replaybuf.errors import EmptyBufferError, EpisodeStateError, ReplayBufError
+from replaybuf.errors import ArgumentError, EmptyBufferError, EpisodeStateError
 
 _FIRST_STEPS = 1024  # the storage of a buffer with max_steps=None, to begin with
 _SPEC = {"observation": "json", "action": "json"}
-
-
-class ArgumentError(ReplayBufError, ValueError):
-    """A bad argument to the ARES API (ARES raises ``ValueError``; so does this)."""
 
 
 class EpisodeStatus(enum.Enum):
@@ -165,7 +161,10 @@ class EpisodeReplayBuffer:
             raise ArgumentError(f"batch_size must be >= 1, got {batch_size!r}")
         async with self._lock:
             try:
-                batch = self._buffer.sample_n_step(batch_size, n, float(gamma), replace=False)
+                # No window is longer than the buffer's longest episode: a larger n (ARES
+                # takes any) gives the same windows, and the buffer refuses it.
+                steps = min(n, self._buffer.max_steps)
+                batch = self._buffer.sample_n_step(batch_size, steps, float(gamma), replace=False)
             except EmptyBufferError:
                 return []
             return self._samples(batch, float(gamma))

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replaybuf.errors import SchemaError
+from replaybuf.errors import ArgumentTypeError, SchemaError
 from replaybuf.storage import Field, FieldSpec, Key, Leaf, Ragged, to_leaves
 
 _CPU = torch.device("cpu")  # host bookkeeping lives here, whatever torch's default device
@@ -72,7 +72,7 @@ def step_rows(
     """
     if extras is not None:
         if not isinstance(extras, dict):
-            raise TypeError(f"{what}: extras must be a dict, got {type(extras).__name__}")
+            raise ArgumentTypeError(f"{what}: extras must be a dict, got {type(extras).__name__}")
         clash = sorted(set(extras) & RETURNED_KEYS)
         if clash:
             raise SchemaError(f"{what}: extras names {clash} collide with keys sampling returns")

@@ -7,7 +7,7 @@ from typing import Any
 
 from replaybuf.args import positive_int
 from replaybuf.episodes.episode import FRAME_PADDINGS
-from replaybuf.errors import SchemaError
+from replaybuf.errors import ArgumentError, SchemaError
 from replaybuf.storage import FieldSpec
 
 
@@ -27,10 +27,10 @@ def final_rows_for(max_steps: int, max_episodes: int | None) -> int:
 def check_frame_stack(frame_stack: Any, padding: Any) -> tuple[int | None, str]:
     """``frame_stack`` (None or an int >= 1) and its padding (``"reset"`` or ``"zero"``)."""
     if padding not in FRAME_PADDINGS:
-        raise ValueError(f"frame_stack_padding must be one of {FRAME_PADDINGS}, got {padding!r}")
+        raise ArgumentError(f"frame_stack_padding must be one of {FRAME_PADDINGS}, got {padding!r}")
     if frame_stack is None:
         if padding != "reset":
-            raise ValueError(
+            raise ArgumentError(
                 f"frame_stack_padding={padding!r} needs frame_stack (an int >= 1), got None"
             )
         return None, padding

@@ -16,6 +16,7 @@ import torch
 
 from replaybuf.episodes.episode import Episode, RowsPinned
 from replaybuf.episodes.staging import drop_run
+from replaybuf.errors import CapacityError
 from replaybuf.storage import to_device_async
 
 if TYPE_CHECKING:
@@ -79,10 +80,12 @@ def choose_victims(
                 return victims
         if core.pinned and over_rows > 0:
             raise RowsPinned("every free row is held by an open checkpoint snapshot")
-        raise ValueError(
+        raise CapacityError(
             f"cannot make room for {steps} step(s) and {episodes} episode(s): "
             f"max_steps={core.max_steps}, max_episodes={core.max_episodes}, and "
-            f"episode(s) {sorted(protected)} being written cannot be evicted"
+            f"episode(s) {sorted(protected)} being written cannot be evicted",
+            # the limit reached: the steps' (the rows' follow it), else the episodes'
+            argument="max_steps" if over_steps > 0 or over_rows > 0 else "max_episodes",
         )
     finally:
         candidates.close()  # puts the finished episodes it popped back on the heap

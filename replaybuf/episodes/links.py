@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from replaybuf.core import END_NONE, jump_tables
-from replaybuf.errors import InsufficientSpaceError
+from replaybuf.errors import IndexOutOfRangeError, InsufficientSpaceError, InvalidStateError
 from replaybuf.storage import DeviceMirror, free_bytes
 
 _CPU = torch.device("cpu")  # host bookkeeping lives here, whatever torch's default device
@@ -209,7 +209,7 @@ class RowLinks:
         (:func:`replaybuf.accel.numba_kernels.place_batches`; only when :attr:`compiled`);
         returns the rows linked from, the new anchors, as a CPU tensor."""
         if self._kernels is None:
-            raise RuntimeError(
+            raise InvalidStateError(
                 "RowLinks.place_batches needs replaybuf.accel.numba_kernels (see compiled)"
             )
         self.version += 1
@@ -256,7 +256,7 @@ class RowLinks:
         capacity = self.capacity
         never = (ids < 0) | (ids // capacity >= allocations)
         if bool(never.any()):
-            raise IndexError(
+            raise IndexOutOfRangeError(
                 f"index must hold ids of sampled steps, got {int(ids[never][0])}, which no "
                 "step ever had"
             )

@@ -13,6 +13,7 @@ import os
 import torch
 
 from replaybuf.accel.numba_loader import compiled_kernels
+from replaybuf.errors import ArgumentError
 from replaybuf.priority.base import BACKEND_SEGMENT_TREE, BACKEND_TORCH, PriorityIndex
 from replaybuf.priority.flat_index import FlatPriorityIndex
 from replaybuf.priority.segment_tree import (
@@ -32,9 +33,9 @@ def _chosen_backend(backend: str, device: torch.device) -> str:
     if backend == "auto" and os.environ.get(BACKEND_ENV):
         backend, source = os.environ[BACKEND_ENV], f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r}"
         if backend not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+            raise ArgumentError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == BACKEND_TORCH or (backend == "auto" and device.type != "cpu"):
         return BACKEND_TORCH
     if backend == "auto" and compiled_kernels() is not None:
@@ -44,12 +45,12 @@ def _chosen_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return BACKEND_TORCH if reason else BACKEND_SEGMENT_TREE
     if device.type != "cpu":
-        raise ValueError(
+        raise ArgumentError(
             f"{source} keeps its trees in host memory and cannot serve device {device}; "
             f"use backend {BACKEND_TORCH!r} or 'auto' there"
         )
     if reason:
-        raise ValueError(f"{source} is unavailable: {reason}; use {BACKEND_TORCH!r} or 'auto'")
+        raise ArgumentError(f"{source} is unavailable: {reason}; use {BACKEND_TORCH!r} or 'auto'")
     return backend
 
 
@@ -71,7 +72,7 @@ def make_priority_index(
         ValueError: a bad capacity or backend name, or a backend that cannot run here (why).
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        raise ArgumentError(f"capacity must be an int >= 1, got {capacity!r}")
     device = torch.device(device)
     if _chosen_backend(backend, device) == BACKEND_SEGMENT_TREE:
         return SegmentTreePriorityIndex(capacity, device)

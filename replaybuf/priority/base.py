@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from replaybuf.args import host_tensor
+from replaybuf.errors import ArgumentError
 from replaybuf.priority.draws import relative_power
 
 BACKEND_TORCH = "torch"
@@ -148,14 +149,14 @@ class PriorityIndex(abc.ABC):
 
     def _check_draw(self, batch_size: int, generator: torch.Generator) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
+            raise ArgumentError(f"batch_size must be an int >= 0, got {batch_size!r}")
         if generator.device.type != self.device.type:
-            raise ValueError(
+            raise ArgumentError(
                 f"generator must live on the index's device {self.device}, "
                 f"got one on {generator.device}"
             )
         if not self._stats[0] > 0:
-            raise ValueError("nothing to sample: every weight is 0")
+            raise ArgumentError("nothing to sample: every weight is 0")
 
     def weights(self) -> torch.Tensor:
         """All ``capacity`` weights, float32 on the CPU (for checkpoints)."""
@@ -165,7 +166,7 @@ class PriorityIndex(abc.ABC):
         """Replace every weight by ``weights`` (as returned by :meth:`weights`)."""
         weights = host_tensor(weights).detach()
         if tuple(weights.shape) != (self.capacity,):
-            raise ValueError(
+            raise ArgumentError(
                 f"weights must have shape ({self.capacity},), got {tuple(weights.shape)}"
             )
         items = torch.arange(self.capacity, device=self.device)
@@ -177,18 +178,18 @@ class PriorityIndex(abc.ABC):
     def _items(self, items: torch.Tensor) -> torch.Tensor:
         items = host_tensor(items)
         if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
-            raise ValueError(f"items must be an integer tensor, got dtype {items.dtype}")
+            raise ArgumentError(f"items must be an integer tensor, got dtype {items.dtype}")
         if items.dim() != 1:
-            raise ValueError(f"items must be 1-D [k], got shape {tuple(items.shape)}")
+            raise ArgumentError(f"items must be 1-D [k], got shape {tuple(items.shape)}")
         return items.to(self.device, torch.long)
 
     def _out_of_range(self, items: torch.Tensor) -> torch.Tensor:
         return (items < 0) | (items >= self.capacity)
 
-    def _range_error(self, items: torch.Tensor) -> ValueError:
+    def _range_error(self, items: torch.Tensor) -> ArgumentError:
         at = int(torch.nonzero(self._out_of_range(items))[0])
         got = int(items[at])
-        return ValueError(f"items must lie in [0, {self.capacity}), got {got} at position {at}")
+        return ArgumentError(f"items must lie in [0, {self.capacity}), got {got} at position {at}")
 
     def _checked(
         self, items: torch.Tensor, weights: torch.Tensor
@@ -196,12 +197,12 @@ class PriorityIndex(abc.ABC):
         """``items`` (long) and ``weights`` (float32, -0.0 as 0.0) on ``device``, else raise."""
         items, weights = self._items(items), host_tensor(weights).detach()
         if items.shape != weights.shape:
-            raise ValueError(
+            raise ArgumentError(
                 f"items and weights must have the same shape, got items {tuple(items.shape)} "
                 f"and weights {tuple(weights.shape)}"
             )
         if weights.dtype.is_complex or weights.dtype == torch.bool:
-            raise ValueError(f"weights must be real numbers, got dtype {weights.dtype}")
+            raise ArgumentError(f"weights must be real numbers, got dtype {weights.dtype}")
         weights32 = weights.to(self.device, torch.float32)
         bad = ~torch.isfinite(weights32) | (weights32 < 0)  # [k]
         flags = torch.stack([self._out_of_range(items).any(), bad.any()]).tolist()  # one sync
@@ -209,7 +210,7 @@ class PriorityIndex(abc.ABC):
             raise self._range_error(items)
         if flags[1]:
             at = int(torch.nonzero(bad)[0])
-            raise ValueError(
+            raise ArgumentError(
                 f"weights must be finite and >= 0 in float32 (at most {FLOAT32_MAX:.7g}), "
                 f"got {weights[at].item()!r} at position {at}"
             )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from replaybuf.args import host_tensor
+from replaybuf.errors import ArgumentError, ArgumentTypeError
 from replaybuf.priority.backends import make_priority_index
 from replaybuf.priority.draws import relative_power
 
@@ -27,19 +28,19 @@ if TYPE_CHECKING:
 
 def check_alpha(alpha: Any) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha >= 0:
-        raise ValueError(f"alpha must be a number >= 0, got {alpha!r}")
+        raise ArgumentError(f"alpha must be a number >= 0, got {alpha!r}")
     return float(alpha)
 
 
 def check_beta(beta: Any) -> float:
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta <= 1:
-        raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
+        raise ArgumentError(f"beta must lie in [0, 1], got {beta!r}")
     return float(beta)
 
 
 def check_eps(eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+        raise ArgumentError(f"eps must be a number >= 0, got {eps!r}")
     return float(eps)
 
 
@@ -54,7 +55,7 @@ def parse_ids(index: Any, device: torch.device) -> torch.Tensor:
     """``index`` (ids from a sampled batch) as a flat long tensor on ``device``."""
     ids = host_tensor(index).reshape(-1)
     if ids.is_floating_point() or ids.dtype == torch.bool:
-        raise TypeError(f"index must hold integer ids, got dtype {ids.dtype}")
+        raise ArgumentTypeError(f"index must hold integer ids, got dtype {ids.dtype}")
     return ids.to(device=device, dtype=torch.long)
 
 
@@ -65,13 +66,13 @@ def check_priorities(priority: Any, count: int, device: torch.device) -> torch.T
     # Priorities are data, never differentiated: a |TD error| that still requires grad is fine.
     values = host_tensor(priority, torch.float64).detach().reshape(-1)
     if values.numel() != count:
-        raise ValueError(
+        raise ArgumentError(
             f"priority must have one value per index: expected {count}, got {values.numel()}"
         )
     bad = ~torch.isfinite(values) | (values < 0)
     if bool(bad.any()):
         first = values[bad][0].item()
-        raise ValueError(f"priority must be finite and >= 0, got {first}")
+        raise ArgumentError(f"priority must be finite and >= 0, got {first}")
     return values.to(device)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from replaybuf.errors import IndexOutOfRangeError
 from replaybuf.priority.policy import (
     Prioritizer,
     check_priorities,
@@ -71,7 +72,7 @@ def update_ring(
         return ids.numel()
     never = (ids < 0) | (ids >= writes)
     if bool(never.any()):
-        raise IndexError(
+        raise IndexOutOfRangeError(
             f"index must hold ids of written items (in [0, {writes})), got {int(ids[never][0])}"
         )
     live_ids = ids >= writes - size

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
+from replaybuf.errors import ArgumentError
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.storage import Key, Ragged, decode
 
@@ -25,7 +26,7 @@ FORMS = ("nested", "padded")
 def check_ragged_form(form: Any, name: str = "ragged") -> str:
     """A ragged form's name, else ``ValueError`` naming the argument."""
     if form not in FORMS:
-        raise ValueError(f"{name} must be one of {FORMS}, got {form!r}")
+        raise ArgumentError(f"{name} must be one of {FORMS}, got {form!r}")
     return form
 
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDictBase
 
-from replaybuf.errors import SchemaError
+from replaybuf.args import check_int64
+from replaybuf.errors import ArgumentTypeError, SchemaError
 from replaybuf.storage.ragged import Ragged
 from replaybuf.storage.schema import (
     BYTES,
@@ -90,7 +91,9 @@ def to_leaves(
     elif isinstance(data, Mapping):
         items = list(flatten(data, (), what, spec or declared))
     else:
-        raise TypeError(f"{what}: expected a TensorDict or a dict of tensors, got {kind_of(data)}")
+        raise ArgumentTypeError(
+            f"{what}: expected a TensorDict or a dict of tensors, got {kind_of(data)}"
+        )
     if not items:
         raise SchemaError(f"{what}: expected at least one field, got none")
     leaves: dict[Key, Leaf] = {}
@@ -117,7 +120,7 @@ def flatten(
     """A mapping's leaves by key; a dict at a JSON field's key is that field's value."""
     for name, value in data.items():
         if not isinstance(name, str):
-            raise TypeError(f"{what}: field names must be str, got {name!r}")
+            raise ArgumentTypeError(f"{what}: field names must be str, got {name!r}")
         key = (*prefix, name)
         field = None if spec is None else spec.get(key)
         if isinstance(value, Mapping) and (field is None or field.kind != JSON):
@@ -300,14 +303,14 @@ def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
         if value.device.type == "meta":
             raise SchemaError(f"{what}: field {name!r} is a meta tensor (it holds no data)")
         if value.layout is not torch.strided:  # storage columns are dense: refuse up front
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{what}: field {name!r} expected a dense (strided) tensor, got layout "
                 f"{value.layout}; convert it with .to_dense()"
             )
         return value.detach()
     if isinstance(value, np.ndarray):
         if value.dtype == object:
-            raise TypeError(f"{what}: field {name!r} is an object array; expected numbers")
+            raise ArgumentTypeError(f"{what}: field {name!r} is an object array; expected numbers")
         # np.ascontiguousarray would turn a 0-d array into shape (1,): only copy when needed.
         return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
     if isinstance(value, _SCALARS) and not batched:
@@ -318,7 +321,7 @@ def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
         )
     if isinstance(value, list | tuple) and value and _numbers_only(value):
         return _from_list(value, name, field, what)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{what}: field {name!r} expected a tensor, array, number or list of numbers, got "
         f"{kind_of(value)} (text, bytes, JSON-like and ragged fields: an episode buffer "
         "without frame_stack)"
@@ -356,6 +359,8 @@ def _scalar(value: bool | int | float, name: str, field: Field | None, what: str
     Floats round into any floating dtype (that is what storing a float means); ints must fit
     exactly; a float never goes silently into an integer or bool field.
     """
+    if type(value) is int and (field is None or not field.dtype.is_floating_point):
+        check_int64(value, f"{what}: field {name!r}", SchemaError)  # torch's message names none
     if field is None or field.shape != ():
         return torch.tensor(value, device=_CPU)  # not the default device: rows go to storage
     dtype = field.dtype
@@ -363,7 +368,7 @@ def _scalar(value: bool | int | float, name: str, field: Field | None, what: str
     if dtype.is_floating_point or not isinstance(value, float):
         try:
             cast = torch.tensor(value, dtype=dtype, device=_CPU)
-        except (RuntimeError, OverflowError):
+        except (RuntimeError, OverflowError, ValueError):
             cast = None
     if cast is None or (not isinstance(value, float) and cast.item() != value):
         raise SchemaError(

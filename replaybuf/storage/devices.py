@@ -6,6 +6,8 @@ from typing import Literal
 
 import torch
 
+from replaybuf.errors import ArgumentError
+
 StorageKind = Literal["memmap", "tensor"]
 STORAGE_CHOICES = ("auto", "memmap", "tensor")
 
@@ -20,32 +22,32 @@ def resolve_device(value: torch.device | str, name: str) -> torch.device:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} must be a torch.device or a device string, got {value!r}"
         ) from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{name}={value!r} asks for CUDA, but no CUDA device is available")
+            raise ArgumentError(f"{name}={value!r} asks for CUDA, but no CUDA device is available")
         index = torch.cuda.current_device() if device.index is None else device.index
         if index >= torch.cuda.device_count():
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}={value!r}: CUDA device {index} does not exist "
                 f"({torch.cuda.device_count()} available)"
             )
         return torch.device("cuda", index)
     if device.type != "cpu":
-        raise ValueError(f"{name} must be 'cpu' or a CUDA device, got {value!r}")
+        raise ArgumentError(f"{name} must be 'cpu' or a CUDA device, got {value!r}")
     return device
 
 
 def resolve_kind(storage: str, storing_device: torch.device) -> StorageKind:
     """The storage kind to build: ``auto`` means memmap on CPU and tensor storage on CUDA."""
     if storage not in STORAGE_CHOICES:
-        raise ValueError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
+        raise ArgumentError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
     if storage == "auto":
         return "memmap" if storing_device.type == "cpu" else "tensor"
     if storage == "memmap" and storing_device.type != "cpu":
-        raise ValueError(
+        raise ArgumentError(
             f"storage='memmap' keeps rows in files on the CPU; got storing_device={storing_device}"
         )
     return storage  # type: ignore[return-value]

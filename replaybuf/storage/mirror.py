@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from replaybuf.errors import InvalidStateError
 from replaybuf.storage.delivery import to_device_async
 
 
@@ -64,7 +65,7 @@ class DeviceMirror:
         if self.table.is_cuda and torch.cuda.is_current_stream_capturing():
             # A graph would replay this copy of values from now (replaybuf.accel.graphs publishes
             # before it captures): refuse, and the capture fails instead.
-            raise RuntimeError("a device copy of host columns was published during a capture")
+            raise InvalidStateError("a device copy of host columns was published during a capture")
         if self._everything:
             self._publish_all()
             return

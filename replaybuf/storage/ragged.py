@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
+from replaybuf.errors import CapacityError
 from replaybuf.storage.devices import StorageKind
 
 LENGTH_BITS = 24
@@ -136,7 +137,7 @@ class RaggedColumn:
         """Give ``rows`` (free or overwritten ones) the values of ``data``, row for row."""
         lengths = data.lengths.numpy()
         if lengths.size and int(lengths.max()) > MAX_LENGTH:
-            raise ValueError(f"a row holds at most {MAX_LENGTH} values")
+            raise CapacityError(f"a row holds at most {MAX_LENGTH} values")
         self.release(rows)
         total = int(lengths.sum())
         if self.head + total > self.tokens:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from replaybuf.errors import SchemaError
+from replaybuf.errors import ArgumentTypeError, SchemaError
 from replaybuf.storage.ragged import Ragged
 
 Key = tuple[str, ...]
@@ -171,9 +171,10 @@ class FieldSpec(Mapping[Key, Field]):
             keys = self._groups[names] = tuple(k for k in self._fields if k[0] in names)
         return keys
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
-        """Bytes one row of every field occupies."""
+        """Bytes one row of every field occupies (computed once: the spec is immutable, and
+        every sample's memory check asks)."""
         return sum(f.row_bytes for f in self._fields.values())
 
     @classmethod
@@ -198,7 +199,7 @@ class FieldSpec(Mapping[Key, Field]):
                 check_storable(field.dtype, f"{what} field {key_name(key)!r}")
             return spec
         if not isinstance(spec, Mapping) or not spec:
-            raise ValueError(
+            raise SchemaError(
                 f"{what} must be a FieldSpec or a non-empty dict of fields, got {spec!r}"
             )
         fields: dict[Key, Field] = {}
@@ -224,23 +225,23 @@ class FieldSpec(Mapping[Key, Field]):
         for name, entry in data.items():
             dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"field {name!r}: unknown dtype {entry['dtype']!r}")
+                raise SchemaError(f"field {name!r}: unknown dtype {entry['dtype']!r}")
             key, shape = entry["key"], entry["shape"]
             if not isinstance(key, list) or ".".join(map(str, key)) != name:
-                raise ValueError(f"field {name!r}: key expected the name's parts, got {key!r}")
+                raise SchemaError(f"field {name!r}: key expected the name's parts, got {key!r}")
             if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
-                raise ValueError(f"field {name!r}: shape expected sizes >= 0, got {shape!r}")
+                raise SchemaError(f"field {name!r}: shape expected sizes >= 0, got {shape!r}")
             kind, budget = entry.get("kind", FIXED), entry.get("reserve")
             if kind not in KINDS:
-                raise ValueError(f"field {name!r}: kind expected one of {KINDS}, got {kind!r}")
+                raise SchemaError(f"field {name!r}: kind expected one of {KINDS}, got {kind!r}")
             if budget is not None and (
                 not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
             ):
-                raise ValueError(f"field {name!r}: reserve expected an int >= 1, got {budget!r}")
+                raise SchemaError(f"field {name!r}: reserve expected an int >= 1, got {budget!r}")
             if kind in NON_TENSOR and (dtype != torch.uint8 or shape):
-                raise ValueError(f"field {name!r}: a {kind} field is stored as uint8[]")
+                raise SchemaError(f"field {name!r}: a {kind} field is stored as uint8[]")
             fields[tuple(key)] = Field(tuple(shape), dtype, kind, budget)
         return cls(fields)
 
@@ -408,7 +409,7 @@ def _declared_field(value: Any, what: str) -> Field:
         )
         if ok_shape and isinstance(dtype, torch.dtype):
             return Field(tuple(shape), dtype)
-    raise ValueError(
+    raise SchemaError(
         f"{what} expected a Field, (shape, dtype) such as ((4,), torch.float32), an example "
         f"tensor or one of {NON_TENSOR}, got {value!r}"
     )
@@ -422,7 +423,7 @@ def _leaves(td: TensorDictBase) -> Iterator[tuple[Key, torch.Tensor]]:
 def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Key, Any]]:
     for name, value in data.items():
         if not isinstance(name, str):
-            raise TypeError(f"{what}: field names must be str, got {name!r}")
+            raise ArgumentTypeError(f"{what}: field names must be str, got {name!r}")
         key = (*prefix, name)
         if isinstance(value, Mapping):  # a dict or a TensorDict (whose bool() raises)
             if len(value.keys()) == 0:

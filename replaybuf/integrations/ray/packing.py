@@ -22,6 +22,7 @@ from tensordict import (
     is_leaf_nontensor,
 )
 
+from replaybuf.errors import ArgumentTypeError
 from replaybuf.storage import resolve_device
 
 # Integer dtypes of each element size: numpy has no bfloat16 / float8, so those travel as bits.
@@ -68,7 +69,9 @@ class PackedBatch:
 def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
     """A tensor as a CPU numpy array (shared with the tensor when it is already one)."""
     if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"{name}: only dense tensors can be sent to a Ray buffer, got {tensor!r}")
+        raise ArgumentTypeError(
+            f"{name}: only dense tensors can be sent to a Ray buffer, got {tensor!r}"
+        )
     tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
     dtype = str(tensor.dtype).removeprefix("torch.")
     try:
@@ -82,7 +85,7 @@ def _unpack_tensor(packed: PackedArray, device: torch.device, copy: bool) -> tor
     """The tensor of a :class:`PackedArray` on ``device``; ``copy`` makes it writable memory."""
     dtype = getattr(torch, packed.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"packed array: unknown torch dtype {packed.dtype!r}")
+        raise ArgumentTypeError(f"packed array: unknown torch dtype {packed.dtype!r}")
     array = packed.array
     if copy and device.type == "cpu" and not array.flags.writeable:
         array = array.copy()  # numpy's copy: cheaper here than a fresh torch clone
@@ -97,7 +100,7 @@ def _unpack_tensor(packed: PackedArray, device: torch.device, copy: bool) -> tor
 def pack_batch(batch: TensorDictBase) -> PackedBatch:
     """A TensorDict as numpy leaves, so Ray moves it without pickling tensors one by one."""
     if not isinstance(batch, TensorDictBase):
-        raise TypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
+        raise ArgumentTypeError(f"batch must be a TensorDict, got {type(batch).__name__}")
     leaves: list[tuple[tuple[str, ...], Packed]] = []
     for key, value in batch.items(True, True, is_leaf=is_leaf_nontensor):  # objects too
         key = (key,) if isinstance(key, str) else tuple(key)
@@ -113,7 +116,7 @@ def pack_batch(batch: TensorDictBase) -> PackedBatch:
         elif isinstance(value, torch.Tensor):
             leaves.append((key, _pack_tensor(value, name)))
         else:
-            raise TypeError(f"batch: field {name!r} is not a tensor ({value!r})")
+            raise ArgumentTypeError(f"batch: field {name!r} is not a tensor ({value!r})")
     return PackedBatch(tuple(batch.batch_size), tuple(leaves))
 
 
@@ -126,7 +129,7 @@ def unpack_batch(
     tensors as views of the received arrays, read-only when they sit in Ray's object store.
     """
     if not isinstance(packed, PackedBatch):
-        raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
+        raise ArgumentTypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
     device = resolve_device(device, "device")
     td = TensorDict({}, batch_size=list(packed.batch_size), device=device)
     for key, leaf in packed.leaves:

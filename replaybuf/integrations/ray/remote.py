@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from replaybuf.args import NArg
 from replaybuf.buffers import EpisodeReplayBuffer
-from replaybuf.errors import BufferClosedError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, BufferClosedError
 from replaybuf.integrations.ray.actor import RemoteBufferActor
 from replaybuf.integrations.ray.packing import pack_value, unpack_batch, unpack_result
 from replaybuf.integrations.ray.portable import PortableError
@@ -53,7 +53,7 @@ class RemoteEpisodeReplayBuffer:
     ) -> None:
         """Wrap a buffer actor's handle (:meth:`create` and :meth:`get` are the usual way)."""
         if not isinstance(actor, ActorHandle):
-            raise TypeError(f"actor must be a Ray actor handle, got {type(actor).__name__}")
+            raise ArgumentTypeError(f"actor must be a Ray actor handle, got {type(actor).__name__}")
         self._actor = actor
         self._device = resolve_device(device, "device")
         self._name = name
@@ -90,7 +90,7 @@ class RemoteEpisodeReplayBuffer:
         try:  # a misspelt argument fails here, before a process starts
             inspect.signature(EpisodeReplayBuffer).bind(max_steps, max_episodes, **buffer_kwargs)
         except TypeError as exc:
-            raise TypeError(f"RemoteEpisodeReplayBuffer.create: {exc}") from exc
+            raise ArgumentTypeError(f"RemoteEpisodeReplayBuffer.create: {exc}") from exc
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         for key, value in (
             ("name", name),
@@ -125,11 +125,11 @@ class RemoteEpisodeReplayBuffer:
     ) -> RemoteEpisodeReplayBuffer:
         """A handle on the buffer actor created with ``name`` (e.g. detached, on another node)."""
         if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
+            raise ArgumentTypeError(f"name must be a non-empty str, got {name!r}")
         try:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError as exc:
-            raise ValueError(
+            raise ArgumentError(
                 f"name: no Ray actor named {name!r} in namespace {namespace or 'current'}"
             ) from exc
         return cls(actor, device=device, name=name)

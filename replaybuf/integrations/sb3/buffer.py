@@ -17,7 +17,13 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from replaybuf.args import check_gamma, int_at_least, positive_int
 from replaybuf.buffers import SyncEpisodeReplayBuffer
-from replaybuf.errors import BufferClosedError, EmptyBufferError
+from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BufferClosedError,
+    EmptyBufferError,
+    UnsupportedError,
+)
 from replaybuf.integrations.sb3 import checks
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
@@ -121,12 +127,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             segment_steps = max(1, self.buffer_size // 4)
         self.segment_steps = positive_int(segment_steps, "segment_steps")
         if self.segment_steps > self.buffer_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"segment_steps must be <= buffer_size // n_envs ({self.buffer_size}), "
                 f"got {self.segment_steps}"
             )
         if max_episodes is not None and int_at_least(max_episodes, "max_episodes", 1) <= n_envs:
-            raise ValueError(
+            raise ArgumentError(
                 f"max_episodes must exceed n_envs ({n_envs}): each environment keeps one episode "
                 f"in progress, got {max_episodes}"
             )
@@ -285,7 +291,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         batch_size = positive_int(batch_size, "batch_size")
         multi = self.n_steps > 1
         if multi and env is not None and env.norm_reward:
-            raise NotImplementedError(
+            raise UnsupportedError(
                 "n_steps > 1 with a VecNormalize that normalises rewards: SB3 normalises and "
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
@@ -334,7 +340,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
-        raise NotImplementedError(
+        raise UnsupportedError(
             "SB3ReplayBuffer has no ring rows to index: use sample(batch_size, env)"
         )
 
@@ -370,7 +376,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
+        raise ArgumentTypeError(
             "SB3ReplayBuffer cannot be pickled (model.save_replay_buffer): its rows live in "
             "replaybuf storage, and no save/load of the adapter exists yet"
         )

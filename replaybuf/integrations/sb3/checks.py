@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from replaybuf.errors import SchemaError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, SchemaError
 
 _NUMERIC_KINDS = "biuf"  # bool, signed, unsigned, float
 
@@ -19,19 +19,19 @@ def check_spaces(observation_space: Any, action_space: Any, optimize_memory_usag
     """Refuse ``Dict`` observation spaces, non-gymnasium spaces and the memory-optimised
     variant (which this buffer does not need: it stores each observation once)."""
     if isinstance(observation_space, spaces.Dict):
-        raise TypeError(
+        raise ArgumentTypeError(
             "observation_space: Dict spaces are not supported by SB3ReplayBuffer "
             "(SB3 uses its DictReplayBuffer for them)"
         )
     if not isinstance(observation_space, spaces.Space) or not isinstance(
         action_space, spaces.Space
     ):
-        raise TypeError(
+        raise ArgumentTypeError(
             "observation_space and action_space must be gymnasium spaces, got "
             f"{type(observation_space).__name__} and {type(action_space).__name__}"
         )
     if optimize_memory_usage:
-        raise ValueError(
+        raise ArgumentError(
             "optimize_memory_usage=True is not supported and not needed: SB3ReplayBuffer "
             "stores each observation once already (leave it False)"
         )

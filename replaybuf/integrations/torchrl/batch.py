@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from replaybuf.errors import ArgumentError, ArgumentTypeError, UnknownFieldError
 from replaybuf.integrations.torchrl.keys import Key, dotted
 
 
@@ -19,7 +20,7 @@ def require(flat: TensorDictBase, key: Key, name: str, what: str) -> Any:
     value = flat.get(key, None)
     if value is None:
         keys = sorted(dotted(k) for k in flat.keys(include_nested=True, leaves_only=True))
-        raise KeyError(
+        raise UnknownFieldError(
             f"{what}: {name} {dotted(key)!r} is not in the batch (its keys: {', '.join(keys)})"
         )
     return value
@@ -31,7 +32,7 @@ def per_step(value: torch.Tensor, name: str, what: str, vector_ok: bool = False)
     if value.dim() == 2 and value.shape[1] == 1:
         return value[:, 0]
     if value.dim() != 1 and not vector_ok:
-        raise ValueError(
+        raise ArgumentError(
             f"{what}: {name} expected one value per step (shape [..., 1] or [...]), got "
             f"trailing shape {list(value.shape[1:])}"
         )
@@ -52,12 +53,12 @@ def end_flags(
             continue
         if not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
             got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{what}: {name} flag {dotted(key)!r} expected a bool tensor, got {got}"
             )
         flags[name] = per_step(value, name, what).cpu().numpy()
     if not flags:
-        raise KeyError(
+        raise UnknownFieldError(
             f"{what}: batch has none of the end flags {dotted(done_key)!r}, "
             f"{dotted(terminated_key)!r}, {dotted(truncated_key)!r}"
         )
@@ -84,7 +85,7 @@ def valid_steps(flat: TensorDictBase, mask_key: Key, what: str) -> np.ndarray:
     if mask is None:
         return np.ones(flat.shape[0], dtype=bool)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"{what}: mask {dotted(mask_key)!r} expected a bool tensor")
+        raise ArgumentTypeError(f"{what}: mask {dotted(mask_key)!r} expected a bool tensor")
     return per_step(mask, "mask", what).cpu().numpy()
 
 
@@ -98,7 +99,9 @@ def trajectories(
         streams = np.arange(flat.shape[0]) // shape[-1]
         return [("stream", int(s)) for s in streams], np.ones(flat.shape[0], dtype=bool)
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.is_complex():
-        raise TypeError(f"{what}: trajectory ids {dotted(trajectory_key)!r} must be integers")
+        raise ArgumentTypeError(
+            f"{what}: trajectory ids {dotted(trajectory_key)!r} must be integers"
+        )
     ids_np = per_step(ids, "trajectory ids", what).cpu().numpy()
     return [int(i) for i in ids_np], ids_np >= 0
 
@@ -108,7 +111,7 @@ def same_structure(observation: Any, next_observation: Any, what: str) -> None:
     first = _leaf_specs(observation)
     second = _leaf_specs(next_observation)
     if first != second:
-        raise ValueError(
+        raise ArgumentError(
             f"{what}: next observation expected the observation's fields {first}, got {second}"
         )
 
@@ -122,4 +125,6 @@ def _leaf_specs(value: Any) -> dict[str, tuple[list[int], torch.dtype]]:
             str(k): (list(v.shape[1:]), v.dtype)
             for k, v in value.items(include_nested=True, leaves_only=True)
         }
-    raise TypeError(f"observation must be a tensor or a TensorDict, got {type(value).__name__}")
+    raise ArgumentTypeError(
+        f"observation must be a tensor or a TensorDict, got {type(value).__name__}"
+    )

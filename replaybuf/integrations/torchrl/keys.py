@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from replaybuf.episodes import RETURNED_KEYS
+from replaybuf.errors import ArgumentError, ArgumentTypeError
 
 NestedKey = str | tuple[str, ...]
 Key = tuple[str, ...]
@@ -18,7 +19,9 @@ def as_key(value: Any, name: str) -> Key:
         return (value,)
     if isinstance(value, tuple) and value and all(isinstance(part, str) for part in value):
         return value
-    raise TypeError(f"{name} must be a str or a tuple of str (a TensorDict key), got {value!r}")
+    raise ArgumentTypeError(
+        f"{name} must be a str or a tuple of str (a TensorDict key), got {value!r}"
+    )
 
 
 def extras_keys(extras: Mapping[str, NestedKey] | None) -> dict[str, Key]:
@@ -26,13 +29,13 @@ def extras_keys(extras: Mapping[str, NestedKey] | None) -> dict[str, Key]:
     if extras is None:
         return {}
     if not isinstance(extras, Mapping):
-        raise TypeError(f"extras must map stored names to batch keys, got {extras!r}")
+        raise ArgumentTypeError(f"extras must map stored names to batch keys, got {extras!r}")
     out = {}
     for name, key in extras.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"extras names must be non-empty str, got {name!r}")
+            raise ArgumentTypeError(f"extras names must be non-empty str, got {name!r}")
         if name in RETURNED_KEYS:
-            raise ValueError(f"extras name {name!r} collides with a key sampling returns")
+            raise ArgumentError(f"extras name {name!r} collides with a key sampling returns")
         out[name] = as_key(key, f"extras[{name!r}]")
     return out
 

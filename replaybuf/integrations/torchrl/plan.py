@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replaybuf.errors import EpisodeStateError
+from replaybuf.errors import ArgumentError, EpisodeStateError
 from replaybuf.integrations.torchrl.drive import Call
 
 
@@ -67,7 +67,7 @@ def split_segments(
         trajectory = trajectories[position]
         time = position % shape[-1]
         if last_time.get(trajectory, -1) >= time:
-            raise ValueError(
+            raise ArgumentError(
                 f"{what}: trajectory {trajectory} has two steps at time index {time} or "
                 "out of order; expected the time dimension last and one environment per "
                 "trajectory"

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDictBase
 
 from replaybuf.buffers import EpisodeReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.errors import EpisodeStateError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, EpisodeStateError
 from replaybuf.integrations.torchrl import batch as batches
 from replaybuf.integrations.torchrl.drive import Call, adrive, drive
 from replaybuf.integrations.torchrl.keys import NestedKey, as_key, dotted, extras_keys
@@ -67,12 +67,12 @@ class CollectorWriter:
         agent_id: str = "torchrl",
     ) -> None:
         if not isinstance(buffer, SyncEpisodeReplayBuffer | EpisodeReplayBuffer):
-            raise TypeError(
+            raise ArgumentTypeError(
                 "buffer must be a SyncEpisodeReplayBuffer or an EpisodeReplayBuffer, "
                 f"got {type(buffer).__name__}"
             )
         if not isinstance(agent_id, str):
-            raise TypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
+            raise ArgumentTypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
         self.buffer = buffer
         self.agent_id = agent_id
         self.observation_key = as_key(observation_key, "observation_key")
@@ -120,7 +120,7 @@ class CollectorWriter:
 
     def _sync_buffer(self, method: str) -> SyncEpisodeReplayBuffer:
         if not isinstance(self.buffer, SyncEpisodeReplayBuffer):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{method} needs a SyncEpisodeReplayBuffer, got an EpisodeReplayBuffer; "
                 f"use await writer.a{method}(...)"
             )
@@ -128,7 +128,7 @@ class CollectorWriter:
 
     def _async_buffer(self, method: str) -> EpisodeReplayBuffer:
         if not isinstance(self.buffer, EpisodeReplayBuffer):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{method} needs an EpisodeReplayBuffer, got a SyncEpisodeReplayBuffer; "
                 f"use writer.{method[1:]}(...)"
             )
@@ -187,7 +187,7 @@ class CollectorWriter:
 
     def _finish(self, status: str) -> Generator[Call, Any, int]:
         if status not in STATUSES:
-            raise ValueError(f"status must be 'terminated' or 'truncated', got {status!r}")
+            raise ArgumentError(f"status must be 'terminated' or 'truncated', got {status!r}")
         ended = 0
         for trajectory, running in list(self._open.items()):
             try:
@@ -202,9 +202,11 @@ class CollectorWriter:
     def _plan(self, batch: TensorDictBase, what: str) -> Plan:
         """Check ``batch`` whole and decide the episode of every step and the write order."""
         if not isinstance(batch, TensorDictBase):
-            raise TypeError(f"{what}: batch must be a TensorDict, got {type(batch).__name__}")
+            raise ArgumentTypeError(
+                f"{what}: batch must be a TensorDict, got {type(batch).__name__}"
+            )
         if batch.batch_dims == 0:
-            raise ValueError(f"{what}: batch expected batch dims [T] or [*envs, T], got []")
+            raise ArgumentError(f"{what}: batch expected batch dims [T] or [*envs, T], got []")
         shape = tuple(batch.batch_size)
         flat = batch.reshape(-1)
         observation = batches.require(flat, self.observation_key, "observation_key", what)
@@ -214,10 +216,14 @@ class CollectorWriter:
         batches.same_structure(observation, next_observation, what)
         action = batches.require(flat, self.action_key, "action_key", what)
         if not isinstance(action, torch.Tensor):
-            raise TypeError(f"{what}: action_key {dotted(self.action_key)!r} must name a tensor")
+            raise ArgumentTypeError(
+                f"{what}: action_key {dotted(self.action_key)!r} must name a tensor"
+            )
         reward = batches.require(flat, self.reward_key, "reward_key", what)
         if not isinstance(reward, torch.Tensor):
-            raise TypeError(f"{what}: reward_key {dotted(self.reward_key)!r} must name a tensor")
+            raise ArgumentTypeError(
+                f"{what}: reward_key {dotted(self.reward_key)!r} must name a tensor"
+            )
         reward = batches.per_step(reward, "reward", what, vector_ok=True)
         extras = {
             name: batches.require(flat, key, f"extras[{name!r}]", what)
