@@ -1,18 +1,10 @@
 """Train, kill, resume, continue: n-step DQN on CartPole-v1 from a replaybuf checkpoint.
 
-The **worker** (``--role worker``) trains Double DQN on a ``SyncEpisodeReplayBuffer`` fed by
-``num_envs`` envs in turn. Every ``checkpoint_every`` env steps it writes ``ckpt-<step>/``: the
-buffer with ``buf.save_checkpoint(dir)`` (rows, episodes in progress, the sampler's RNG) and,
-with ``torch.save``, the networks, Adam, torch's RNG, the loop's counts and each env's state,
-epsilon RNG and observation; then an atomic rename points ``LATEST`` at it, so a kill at any
-moment leaves one whole checkpoint. Started again it resumes from ``LATEST`` with
-``SyncEpisodeReplayBuffer.load_checkpoint(dir)``, and the episodes in progress go on. (Where an
-env's state cannot be saved, end each restored episode as "truncated" and start fresh ones.)
-
-The **driver** (the default) starts a worker, SIGKILLs it once it prints a curve point at
-``kill_at_step`` or later, starts it again and, with ``--reference``, runs one uninterrupted.
-Counts decide everything, so it checks the two curves are equal number for number and writes
-``checkpoint_resume.png``. The DQN is ``dqn_cartpole.py``'s with its default settings.
+The worker (``--role worker``) trains ``dqn_cartpole.py``'s DQN and every ``checkpoint_every`` env
+steps writes ``ckpt-<step>/``: the buffer with ``buf.save_checkpoint`` and, with ``torch.save``,
+the networks, Adam, the RNGs, the loop's counts and the envs; then ``LATEST`` names it. Started
+again, it resumes with ``SyncEpisodeReplayBuffer.load_checkpoint``. The driver (the default) runs
+a worker, SIGKILLs it, runs it again and checks the curves agree number for number.
 
     python examples/checkpoint_resume.py                  # full demo; --help lists every knob
     python examples/checkpoint_resume.py --total-steps 400 --learning-starts 100 \
@@ -77,9 +69,6 @@ def parse_args() -> Args:
     return Args(**vars(parser.parse_args()))
 
 
-# ---------------------------------------------------------------------------------- worker
-
-
 @dataclasses.dataclass
 class Progress:
     """What the training loop has counted and holds; each checkpoint saves all of it."""
@@ -94,13 +83,13 @@ class Progress:
 
 
 def due(p: Progress, every: int) -> bool:
-    """Whether the learner's turn evaluates (or checkpoints): at each multiple of ``every``, and
-    at its first turn if a multiple went by before learning started."""
+    """At each multiple of ``every``, and at the learner's first turn if one went by before."""
     return p.step % every == 0 or (p.step == p.base and p.base > every)
 
 
 def env_state(env: gym.Env, rng: np.random.Generator) -> dict:
-    """A CartPole env whole: state (x, x', θ, θ' in float64), step count, RNG; and ``rng``."""
+    """A CartPole env whole: state (x, x', θ, θ' in float64), step count, RNG; and ``rng``.
+    Plain numbers and lists, so ``torch.load(weights_only=True)`` reads them back."""
     core = env.unwrapped
     return {
         "state": [float(x) for x in core.state],
@@ -118,42 +107,24 @@ def restore_env(env: gym.Env, rng: np.random.Generator, saved: dict) -> None:
     rng.bit_generator.state = saved["rng"]
 
 
-def dqn_update(batch, q: nn.Module, target: nn.Module, optimizer) -> float:
-    """One Double DQN step on an n-step batch; its loss."""
-    with torch.no_grad():
-        next_obs = batch["next_observation"]
-        best = q(next_obs).argmax(1, keepdim=True)  # the online net picks, the target rates
-        next_q = target(next_obs).gather(1, best).squeeze(1)
-        # reward: discounted n-step return; next_discount: γ^m, or 0 after a termination
-        td_target = batch["reward"] + batch["next_discount"] * next_q
-    q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-    loss = nn.functional.smooth_l1_loss(q_taken, td_target)
-    optimizer.zero_grad()
-    loss.backward()
-    nn.utils.clip_grad_norm_(q.parameters(), max_norm=10.0)
-    optimizer.step()
-    return float(loss.detach())
-
-
 def evaluate(args: Args, q: nn.Module) -> np.ndarray:
     """Returns of ``eval_episodes`` greedy episodes, played side by side (one batched forward)."""
-    envs = [gym.make(ENV_ID) for _ in range(args.eval_episodes)]
-    obs = [env.reset(seed=10_000 + args.seed * 1_000 + i)[0] for i, env in enumerate(envs)]
-    returns, running = np.zeros(len(envs)), list(range(len(envs)))
-    while running:
+    envs = gym.make_vec(ENV_ID, args.eval_episodes, vectorization_mode="sync")
+    obs, _ = envs.reset(seed=10_000 + args.seed * 1_000)  # env i: this seed + i
+    returns, running = np.zeros(args.eval_episodes), np.ones(args.eval_episodes, dtype=bool)
+    actions = np.zeros(args.eval_episodes, dtype=np.int64)  # a finished env's is ignored
+    while running.any():
         with torch.no_grad():
-            actions = q(torch.from_numpy(np.stack([obs[i] for i in running]))).argmax(1).tolist()
-        for i, action in zip(list(running), actions, strict=True):
-            obs[i], reward, terminated, truncated, _ = envs[i].step(action)
-            returns[i] += reward
-            if terminated or truncated:
-                running.remove(i)
+            actions[running] = q(torch.from_numpy(obs[running])).argmax(1).numpy()
+        obs, reward, terminated, truncated, _ = envs.step(actions)
+        returns += np.where(running, reward, 0.0)
+        running &= ~(terminated | truncated)
     return returns
 
 
 def save(args: Args, buf: SyncEpisodeReplayBuffer, nets: dict, envs, rngs, p: Progress) -> None:
     """``run_dir/ckpt-<step>/{replay/, agent.pt}``, then ``LATEST`` names it; older ones go."""
-    began, run_dir, name = time.perf_counter(), Path(args.run_dir), f"ckpt-{p.step:08d}"
+    run_dir, name = Path(args.run_dir), f"ckpt-{p.step:08d}"
     state = {key: net.state_dict() for key, net in nets.items()}  # networks, Adam
     state["torch_rng"] = torch.get_rng_state()
     state["envs"] = [env_state(env, rng) for env, rng in zip(envs, rngs, strict=True)]
@@ -171,7 +142,7 @@ def save(args: Args, buf: SyncEpisodeReplayBuffer, nets: dict, envs, rngs, p: Pr
     for old in run_dir.glob("ckpt-*"):
         if old.name != name:
             shutil.rmtree(old)
-    print(f"checkpoint step {p.step} -> {name} ({time.perf_counter() - began:.2f}s)")
+    print(f"checkpoint step {p.step} -> {name}")
 
 
 def train(args: Args) -> None:
@@ -190,11 +161,9 @@ def train(args: Args) -> None:
     optimizer = torch.optim.Adam(q.parameters(), lr=5e-4)
     nets = {"q": q, "target": target, "optimizer": optimizer}  # what has a state_dict
     if (run_dir / "LATEST").exists():
-        name = (run_dir / "LATEST").read_text()
-        buf = SyncEpisodeReplayBuffer.load_checkpoint(
-            run_dir / name / "replay", scratch_dir=scratch
-        )
-        state = torch.load(run_dir / name / "agent.pt", weights_only=True)
+        ckpt = run_dir / (run_dir / "LATEST").read_text()
+        buf = SyncEpisodeReplayBuffer.load_checkpoint(ckpt / "replay", scratch_dir=scratch)
+        state = torch.load(ckpt / "agent.pt", weights_only=True)  # tensors and plain data only
         for key, net in nets.items():
             net.load_state_dict(state[key])
         torch.set_rng_state(state["torch_rng"])
@@ -202,18 +171,28 @@ def train(args: Args) -> None:
             restore_env(env, rng, saved)
         p = Progress(**state["progress"])
         print(
-            f"resumed from {name}: step {p.step}, {p.updates} gradient steps, {len(buf)} valid "
-            f"steps, {buf.stats()['in_progress']} episodes in progress continue"
+            f"resumed from {ckpt.name}: step {p.step}, {p.updates} gradient steps, "
+            f"{len(buf)} valid steps, {buf.stats()['in_progress']} episodes in progress continue"
         )
     else:
         buf = SyncEpisodeReplayBuffer(max_steps=100_000, seed=args.seed, scratch_dir=scratch)
         ids = [buf.start_episode(agent_id=f"env-{i}") for i in range(args.num_envs)]
         p = Progress(obs, ids, [0.0] * len(envs))
-        print("fresh run")
     with buf:
         while p.step < args.total_steps:
             while p.base is not None and p.step >= p.base + p.updates:  # the learner's turn
-                loss = dqn_update(buf.sample_n_step(128, n=3, gamma=0.99), q, target, optimizer)
+                batch = buf.sample_n_step(128, n=3, gamma=0.99)
+                with torch.no_grad():  # Double DQN: the online net picks, the target rates
+                    best = q(batch["next_observation"]).argmax(1, keepdim=True)
+                    next_q = target(batch["next_observation"]).gather(1, best).squeeze(1)
+                    # reward: discounted n-step return; next_discount: γ^m, 0 after a termination
+                    td_target = batch["reward"] + batch["next_discount"] * next_q
+                q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+                loss = nn.functional.smooth_l1_loss(q_taken, td_target)
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(q.parameters(), max_norm=10.0)
+                optimizer.step()
                 p.updates += 1
                 if p.updates % 500 == 0:  # a hard target-network update
                     target.load_state_dict(q.state_dict())
@@ -222,7 +201,7 @@ def train(args: Args) -> None:
                     print(
                         f"step {p.step:>7}  updates {p.updates:>6}  episodes {len(p.episodes):>5}  "
                         f"recent return {np.mean(recent) if recent else np.nan:.4f}  "
-                        f"eval {evals.mean():.4f} ± {evals.std():.4f}  loss {loss:.6f}"
+                        f"eval {evals.mean():.4f} ± {evals.std():.4f}  loss {loss.item():.6f}"
                     )
                 if due(p, args.checkpoint_every):
                     save(args, buf, nets, envs, rngs, p)
@@ -249,14 +228,12 @@ def train(args: Args) -> None:
     print(f"finished: step {p.step}, {p.updates} gradient steps")
 
 
-# ---------------------------------------------------------------------------------- driver
-
 CURVE = re.compile(r"^step\s+(\d+)\s.*recent return (\S+)\s+eval (\S+) ±")
 
 
 def run_worker(run_dir: Path, label: str, kill_at: float = np.inf) -> dict[int, str]:
-    """Run a worker with this script's flags on ``run_dir`` and echo its output; SIGKILL it
-    once it prints a curve point at ``kill_at`` or later. Its curve lines by env step."""
+    """Run a worker with this script's flags on ``run_dir``, echo its output and SIGKILL it once
+    it prints a curve point at ``kill_at`` or later. Its curve lines by env step."""
     cmd = [sys.executable, "-u", __file__, *sys.argv[1:], "--role", "worker", "--run-dir", run_dir]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     points = {}

@@ -1,16 +1,7 @@
 """n-step Double DQN on CartPole-v1: asyncio collectors fill an episode buffer, a learner samples.
 
-Collector tasks, each with its own env, write episodes step by step into one
-``EpisodeReplayBuffer`` (``start_episode`` / ``append_observation_action_reward`` /
-``end_episode``, terminated and truncated kept apart). A learner task waits with
-``wait_for_steps``, then trains on ``sample_n_step(batch, n=3, gamma)``: ``reward`` is the
-discounted n-step return, ``next_discount`` is γ^m (0 after a termination). With
-``--prioritized`` (PER) each window's loss is scaled by its importance ``weight``, its |TD error|
-goes back through ``update_priorities`` and ``set_beta`` anneals beta towards 1.
-
-The tasks take turns by count, never by timing, so a seed gives one run. The run stops once the
-greedy evaluation reaches ``target_return`` in ``solved_evals`` evaluations in a row (an early
-policy sometimes balances the pole by luck once), and writes ``dqn_cartpole.png``.
+Collector tasks write episodes into one ``EpisodeReplayBuffer`` while a learner task trains on
+its ``sample_n_step`` batches (``--prioritized``: PER). Turns go by count: a seed gives one run.
 
     python examples/dqn_cartpole.py [--prioritized]    # full run; --help lists every knob
     python examples/dqn_cartpole.py --total-steps 300 --learning-starts 100 --eval-episodes 2 \
@@ -69,10 +60,7 @@ def parse_args() -> Args:
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         flag = "--" + f.name.replace("_", "-")
         parser.add_argument(flag, default=f.default, help=f.metadata["help"], **kind)
-    args = Args(**vars(parser.parse_args()))
-    if not 0 <= args.beta_start <= 1:
-        parser.error(f"--beta-start must lie in [0, 1], got {args.beta_start}")
-    return args
+    return Args(**vars(parser.parse_args()))  # the buffer checks alpha and beta
 
 
 def epsilon(step: int) -> float:
@@ -81,12 +69,8 @@ def epsilon(step: int) -> float:
 
 
 class Turns:
-    """Who moves next, decided by counts alone, so each gradient step sees the same data.
-
-    Env step s belongs to collector ``s % num_collectors``. Once the learner has started (at env
-    step ``base``), env step s may be taken only while ``s < base + updates * train_frequency``;
-    when that allowance is used up and no env step is in flight, the learner takes a step.
-    """
+    """Who moves next, by counts alone: env step s is collector ``s % num_collectors``'s; from
+    env step ``base`` on, the learner moves every ``train_frequency`` steps (none in flight)."""
 
     def __init__(self, args: Args) -> None:
         self.args, self.cond = args, asyncio.Condition()
@@ -98,7 +82,6 @@ class Turns:
         return self.stopped or self.step >= self.args.total_steps
 
     def my_turn(self, index: int | None) -> bool:
-        """Whether collector ``index`` (None: the learner) moves next."""
         a = self.args
         owed = self.base is not None and self.step >= self.base + self.updates * a.train_frequency
         mine = owed if index is None else not owed and self.step % a.num_collectors == index
@@ -110,10 +93,8 @@ class Turns:
             if index is None and self.base is None:
                 self.base = self.step + int(self.busy)  # a step in flight counts as taken
             await self.cond.wait_for(lambda: self.done() or self.my_turn(index))
-            if self.done():
-                return False
-            self.busy = index is not None
-            return True
+            self.busy = index is not None and not self.done()
+            return not self.done()
 
     async def set(self, **counts) -> None:
         """Change the counts and wake every task to check whose turn it is."""
@@ -150,24 +131,30 @@ async def collector(index, args, buf, turns: Turns, q: nn.Module, episodes: list
 
 def evaluate(args: Args, q: nn.Module) -> np.ndarray:
     """Returns of ``eval_episodes`` greedy episodes, played side by side (one batched forward)."""
-    envs = [gym.make(args.env_id) for _ in range(args.eval_episodes)]
-    obs = [env.reset(seed=10_000 + args.seed * 1_000 + i)[0] for i, env in enumerate(envs)]
-    returns, running = np.zeros(len(envs)), list(range(len(envs)))
-    while running:
+    envs = gym.make_vec(args.env_id, args.eval_episodes, vectorization_mode="sync")
+    obs, _ = envs.reset(seed=10_000 + args.seed * 1_000)  # env i: this seed + i
+    returns, running = np.zeros(args.eval_episodes), np.ones(args.eval_episodes, dtype=bool)
+    actions = np.zeros(args.eval_episodes, dtype=np.int64)  # a finished env's is ignored
+    while running.any():
         with torch.no_grad():
-            actions = q(torch.from_numpy(np.stack([obs[i] for i in running]))).argmax(1).tolist()
-        for i, action in zip(list(running), actions, strict=True):
-            obs[i], reward, terminated, truncated, _ = envs[i].step(action)
-            returns[i] += reward
-            if terminated or truncated:
-                running.remove(i)
+            actions[running] = q(torch.from_numpy(obs[running])).argmax(1).numpy()
+        obs, reward, terminated, truncated, _ = envs.step(actions)
+        returns += np.where(running, reward, 0.0)
+        running &= ~(terminated | truncated)
     return returns
 
 
-async def learner(args, buf, turns: Turns, q: nn.Module, episodes: list) -> list[tuple]:
-    """(Double) DQN steps on n-step batches; evaluate and print the curve; stop once solved."""
+async def train(args: Args) -> tuple[list, list]:
+    """Start the collectors, then train Double DQN on n-step batches until the budget ends."""
+    env = gym.make(args.env_id)
+    obs_dim, n_actions, h = env.observation_space.shape[0], env.action_space.n, 128  # h: hidden
+    torch.manual_seed(args.seed)
+    q = nn.Sequential(
+        nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, n_actions)
+    )
     target = copy.deepcopy(q)
     optimizer = torch.optim.Adam(q.parameters(), lr=args.learning_rate)
+    turns, episodes = Turns(args), []  # episodes: (env step at its end, return)
     curve, start, next_eval, loss, in_a_row = [], time.perf_counter(), args.eval_every, np.nan, 0
 
     def evaluation() -> float:
@@ -182,59 +169,42 @@ async def learner(args, buf, turns: Turns, q: nn.Module, episodes: list) -> list
         curve.append((turns.step, returns.mean(), returns.std()))
         return returns.mean()
 
-    await buf.wait_for_steps(args.learning_starts)
-    print(f"learning starts after {turns.step} env steps ({len(buf)} valid steps stored)")
-    while await turns.wait_turn(None):
-        batch = await buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma)
-        with torch.no_grad():
-            next_obs = batch["next_observation"]
-            best = q(next_obs).argmax(1, keepdim=True)  # Double DQN: the online net picks
-            next_q = target(next_obs).gather(1, best).squeeze(1)
-            # reward: discounted n-step return; next_discount: γ^m, or 0 after a termination
-            td_target = batch["reward"] + batch["next_discount"] * next_q
-        q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-        per_window = nn.functional.smooth_l1_loss(q_taken, td_target, reduction="none")  # [B]
-        weight = batch["weight"] if args.prioritized else 1.0  # PER: importance weights
-        loss_t = (weight * per_window).mean()
-        optimizer.zero_grad()
-        loss_t.backward()
-        nn.utils.clip_grad_norm_(q.parameters(), max_norm=10.0)
-        optimizer.step()
-        loss = float(loss_t.detach())
-        if args.prioritized:  # new priority |TD error| (the buffer adds eps); beta goes linearly
-            await buf.update_priorities(batch["index"], (q_taken - td_target).abs().detach())
-            done = min(1.0, turns.step / args.total_steps)
-            await buf.set_beta(args.beta_start + (1.0 - args.beta_start) * done)
-        if (turns.updates + 1) % 500 == 0:  # a hard target-network update every 500 steps
-            target.load_state_dict(q.state_dict())
-        if turns.step >= next_eval:  # no env step is in flight here
-            next_eval = (turns.step // args.eval_every + 1) * args.eval_every
-            in_a_row = in_a_row + 1 if evaluation() >= args.target_return else 0
-        solved = in_a_row >= args.solved_evals
-        if solved:
-            print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
-        await turns.set(updates=turns.updates + 1, stopped=solved)
-    if not curve or curve[-1][0] != turns.step:  # the budget ended between evaluations
-        evaluation()
-    return curve
-
-
-async def train(args: Args) -> tuple[list, list]:
-    env = gym.make(args.env_id)
-    obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
-    h = 128  # units in each of the Q-network's two hidden layers
-    torch.manual_seed(args.seed)
-    q = nn.Sequential(
-        nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, n_actions)
-    )
-    turns, episodes = Turns(args), []  # episodes: (env step at its end, return)
     per = {"prioritized": args.prioritized, "alpha": args.alpha, "beta": args.beta_start}
     async with EpisodeReplayBuffer(max_steps=args.buffer_size, seed=args.seed, **per) as buf:
-        collectors = [
-            asyncio.create_task(collector(i, args, buf, turns, q, episodes))
-            for i in range(args.num_collectors)
-        ]
-        curve = await learner(args, buf, turns, q, episodes)
+        tasks = (collector(i, args, buf, turns, q, episodes) for i in range(args.num_collectors))
+        collectors = [asyncio.create_task(task) for task in tasks]
+        await buf.wait_for_steps(args.learning_starts)
+        print(f"learning starts after {turns.step} env steps ({len(buf)} valid steps stored)")
+        while await turns.wait_turn(None):
+            batch = await buf.sample_n_step(args.batch_size, n=args.n_step, gamma=args.gamma)
+            with torch.no_grad():  # Double DQN: the online net picks, the target net rates
+                best = q(batch["next_observation"]).argmax(1, keepdim=True)
+                next_q = target(batch["next_observation"]).gather(1, best).squeeze(1)
+                # reward: discounted n-step return; next_discount: γ^m, or 0 after a termination
+                td_target = batch["reward"] + batch["next_discount"] * next_q
+            q_taken = q(batch["observation"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+            per_window = nn.functional.smooth_l1_loss(q_taken, td_target, reduction="none")
+            weight = batch["weight"] if args.prioritized else 1.0  # PER: importance weights
+            loss_t = (weight * per_window).mean()
+            optimizer.zero_grad()
+            loss_t.backward()
+            nn.utils.clip_grad_norm_(q.parameters(), max_norm=10.0)
+            optimizer.step()
+            loss = float(loss_t.detach())
+            if args.prioritized:  # new priority |TD error| (the buffer adds eps); beta to 1
+                await buf.update_priorities(batch["index"], (q_taken - td_target).abs().detach())
+                done = min(1.0, turns.step / args.total_steps)
+                await buf.set_beta(args.beta_start + (1.0 - args.beta_start) * done)
+            if (turns.updates + 1) % 500 == 0:  # a hard target-network update every 500 steps
+                target.load_state_dict(q.state_dict())
+            if turns.step >= next_eval:  # no env step is in flight here
+                next_eval = (turns.step // args.eval_every + 1) * args.eval_every
+                in_a_row = in_a_row + 1 if evaluation() >= args.target_return else 0
+                if in_a_row >= args.solved_evals:
+                    print(f"solved: {in_a_row} evaluations in a row >= {args.target_return}")
+            await turns.set(updates=turns.updates + 1, stopped=in_a_row >= args.solved_evals)
+        if not curve or curve[-1][0] != turns.step:  # the budget ended between evaluations
+            evaluation()
         await turns.set(stopped=True)  # the collectors waiting for a turn return
         await asyncio.gather(*collectors)
         s = await buf.stats()
@@ -273,9 +243,8 @@ if __name__ == "__main__":
     args = parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
     torch.set_num_threads(1)  # the fastest for these small networks
-    began = time.perf_counter()
     curve, episodes = asyncio.run(train(args))
     out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(args, curve, episodes, path := out_dir / "dqn_cartpole.png")
-    print(f"wall {time.perf_counter() - began:.1f}s; plot written to {path}")
+    print(f"plot written to {path}")

@@ -1,13 +1,8 @@
 """SAC on Pendulum-v1: episodes into a SyncEpisodeReplayBuffer, time limits kept as truncation.
 
-Pendulum never terminates: every episode ends at its 200-step time limit and is closed with
-``end_episode(ep, "truncated", final_observation=obs)``, so its last windows bootstrap from the
-final observation (``next_discount`` = γ^m, never 0 here) instead of learning the time limit as
-"the world ends". Batches come from ``sample_n_step(batch, n, gamma)`` on ``device`` (CUDA when
-present; the rows stay in CPU memory); with ``--epochs-per-update`` the learner instead sweeps
-the buffer with ``iterate_epochs``. The run stops once the deterministic-policy evaluation
-reaches ``target_return`` in ``solved_evals`` evaluations in a row, and writes
-``sac_pendulum.png``.
+Each episode ends at Pendulum's 200-step time limit as ``"truncated"``, so its last windows
+bootstrap (``next_discount`` = γ^m, never 0) instead of learning the time limit as "the world
+ends". Batches: ``sample_n_step`` on ``device`` (rows on the CPU), or ``iterate_epochs``.
 
     python examples/sac_pendulum.py                  # full run; --help lists every knob
     python examples/sac_pendulum.py --total-steps 300 --learning-starts 100 --eval-episodes 2 \
@@ -78,9 +73,7 @@ def mlp(inputs: int, outputs: int, h: int) -> nn.Sequential:
     )
 
 
-class Critic(nn.Module):
-    """Two Q-networks (clipped double Q)."""
-
+class Critic(nn.Module):  # two Q-networks (clipped double Q)
     def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
         super().__init__()
         self.q1, self.q2 = mlp(obs_dim + act_dim, 1, hidden), mlp(obs_dim + act_dim, 1, hidden)
@@ -90,15 +83,12 @@ class Critic(nn.Module):
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
 
 
-class Actor(nn.Module):
-    """A tanh-squashed Gaussian policy scaled to the action box."""
-
+class Actor(nn.Module):  # a tanh-squashed Gaussian policy, scaled to the action box
     def __init__(self, obs_dim: int, act_dim: int, hidden: int, low, high) -> None:
         super().__init__()
         self.net = mlp(obs_dim, 2 * act_dim, hidden)
-        low, high = torch.as_tensor(low), torch.as_tensor(high)
-        self.register_buffer("scale", (high - low) / 2)
-        self.register_buffer("bias", (high + low) / 2)
+        self.register_buffer("scale", torch.as_tensor((high - low) / 2))
+        self.register_buffer("bias", torch.as_tensor((high + low) / 2))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A sampled action, its log-probability and the deterministic (mean) action."""
@@ -128,9 +118,7 @@ def evaluate(args: Args, actor: Actor, device: torch.device) -> np.ndarray:
     return returns
 
 
-class SAC:
-    """The networks, their optimizers and one gradient step on an n-step batch."""
-
+class SAC:  # the networks, their optimizers and one gradient step on an n-step batch
     def __init__(self, args: Args, env: gym.Env, device: torch.device) -> None:
         space = env.action_space
         obs_dim, act_dim = env.observation_space.shape[0], space.shape[0]
@@ -144,18 +132,13 @@ class SAC:
         self.log_alpha = torch.tensor(math.log(args.alpha), device=device, requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=args.policy_lr)
 
-    @property
-    def alpha(self) -> torch.Tensor:
-        return self.log_alpha.detach().exp()
-
     def update(self, batch) -> None:
         obs, action = batch["observation"], batch["action"]
         with torch.no_grad():
             next_action, next_log_prob, _ = self.actor(batch["next_observation"])
             q1_next, q2_next = self.critic_target(batch["next_observation"], next_action)
-            next_v = torch.min(q1_next, q2_next) - self.alpha * next_log_prob
-            # reward: discounted n-step return; next_discount: γ^m (0 only after termination,
-            # which Pendulum never reaches: its time limit is a truncation and bootstraps)
+            next_v = torch.min(q1_next, q2_next) - self.log_alpha.exp() * next_log_prob
+            # reward: discounted n-step return; next_discount: γ^m (never 0: no terminations)
             target = batch["reward"] + batch["next_discount"] * next_v
         q1, q2 = self.critic(obs, action)
         q_loss = nn.functional.mse_loss(q1, target) + nn.functional.mse_loss(q2, target)
@@ -167,7 +150,7 @@ class SAC:
             for _ in range(self.args.policy_frequency):  # CleanRL's delayed, compensated updates
                 new_action, log_prob, _ = self.actor(obs)
                 q_new = torch.min(*self.critic(obs, new_action))
-                actor_loss = (self.alpha * log_prob - q_new).mean()
+                actor_loss = (self.log_alpha.detach().exp() * log_prob - q_new).mean()
                 self.actor_optimizer.zero_grad()
                 actor_loss.backward()
                 self.actor_optimizer.step()
@@ -177,10 +160,9 @@ class SAC:
                 self.alpha_optimizer.zero_grad()
                 alpha_loss.backward()
                 self.alpha_optimizer.step()
-        with torch.no_grad():
-            targets = self.critic_target.parameters()
-            for p, p_target in zip(self.critic.parameters(), targets, strict=True):
-                p_target.lerp_(p, self.args.tau)
+        with torch.no_grad():  # the target networks follow softly
+            for p, t in zip(self.critic.parameters(), self.critic_target.parameters(), strict=True):
+                t.lerp_(p, self.args.tau)
         self.updates += 1
 
 
@@ -235,7 +217,6 @@ if __name__ == "__main__":
                 next_obs, _ = env.reset()
                 episode, episode_return = buf.start_episode(agent_id="pendulum"), 0.0
             obs = next_obs
-
             if step > args.learning_starts and args.epochs_per_update == 0:
                 agent.update(buf.sample_n_step(args.batch_size, **nstep))
             elif step > args.learning_starts and step % args.epoch_interval == 0:
@@ -243,7 +224,6 @@ if __name__ == "__main__":
                     args.batch_size, args.epochs_per_update, drop_last=True, **nstep
                 ):
                     agent.update(batch)
-
             if step % args.eval_every == 0:
                 returns = evaluate(args, agent.actor, device)
                 recent = np.mean([r for _, r in episodes[-10:]]) if episodes else np.nan
@@ -251,7 +231,7 @@ if __name__ == "__main__":
                 print(
                     f"step {step:>7}  episodes {len(episodes):>4}  recent return {recent:8.1f}  "
                     f"eval {returns.mean():8.1f} ± {returns.std():6.1f}  "
-                    f"q_loss {agent.q_loss:8.3f}  alpha {float(agent.alpha):.3f}  "
+                    f"q_loss {agent.q_loss:8.3f}  alpha {agent.log_alpha.exp().item():.3f}  "
                     f"wall {time.perf_counter() - start:6.1f}s",
                     flush=True,
                 )
