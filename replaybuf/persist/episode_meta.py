@@ -132,8 +132,12 @@ def _check_table(meta: dict[str, Any], max_steps: int, where: str) -> None:
         )
     since = "the 'next_id' less the 'episodes' in the table"
     meta_int(meta, "evicted", where, 0, next_id - len(table), since=since)
-    steps = sum(e[4] for e in table)
-    meta_int(meta, "steps", where, steps, steps, since="the steps of the 'episodes' table")
+    steps = meta_int(meta, "steps", where, low=0)
+    if steps != sum(e[4] for e in table):
+        raise CorruptCheckpointError(
+            f"{where}: meta 'steps' {steps} does not match the steps of the 'episodes' table "
+            f"({sum(e[4] for e in table)})"
+        )
     counts = {s: sum(STATUS[e[3]] == s for e in table) for s in STATUS.values()}
     by_status = meta["episodes_by_status"]
     if (

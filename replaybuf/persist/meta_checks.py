@@ -64,11 +64,13 @@ def meta_int(
 ) -> int:
     """An int of a checkpoint's meta in ``[low, high]`` (``high`` at most ``MAX_COUNT``);
     ``since`` names the fields the bounds come from, for the message."""
-    high = MAX_COUNT if high is None else min(high, MAX_COUNT)
     try:
-        return require_int(meta, name, low, high, error=CorruptCheckpointError, context="meta")
+        value = require_int(meta, name, low, high, error=CorruptCheckpointError, context="meta")
+        if value > MAX_COUNT:
+            raise CorruptCheckpointError(f"meta {name!r} expected at most {MAX_COUNT}, got {value}")
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}" + (f" ({since})" if since else "")) from None
+    return value
 
 
 def meta_number(meta: Mapping[str, Any], name: str, where: str, low: float, high: float) -> float:
@@ -84,12 +86,11 @@ def meta_number(meta: Mapping[str, Any], name: str, where: str, low: float, high
 
 
 def meta_choice(meta: Mapping[str, Any], name: str, where: str, choices: Iterable[Any]) -> Any:
-    """A meta field that must be one of ``choices``."""
+    """A meta field that must be one of ``choices`` (of the same type: ``1`` is not ``True``)."""
     value, options = meta.get(name), tuple(choices)
     if not any(type(value) is type(c) and value == c for c in options):
-        raise CorruptCheckpointError(
-            f"{where}: meta {name!r} expected one of {list(options)}, got {value!r}"
-        )
+        expected = " or ".join(map(repr, options)) if len(options) < 3 else f"one of {options}"
+        raise CorruptCheckpointError(f"{where}: meta {name!r} expected {expected}, got {value!r}")
     return value
 
 

@@ -262,8 +262,8 @@ def parse_meta(meta: Mapping[str, Any], where: str, version: int = FORMAT_VERSIO
     pointer = meta_int(meta, "pointer", where, 0, capacity - 1, since="the 'capacity'")
     if size < capacity and pointer != size:
         raise CorruptCheckpointError(
-            f"{where}: meta 'pointer' expected {size} (the 'size', while the ring is not full"
-            f" of its 'capacity' {capacity}), got {pointer}"
+            f"{where}: pointer expected {size} (size % capacity while the ring is not full),"
+            f" got {pointer}"
         )
     storage = meta_choice(meta, "storage", where, ("memmap", "tensor"))
     devices = {name: meta_device(meta, name, where) for name in ("device", "storing_device")}
@@ -273,7 +273,7 @@ def parse_meta(meta: Mapping[str, Any], where: str, version: int = FORMAT_VERSIO
     print_gc_warning = meta_choice(meta, "print_gc_warning", where, (False, True))
     spec = meta_spec(meta, "spec", where)
     if spec is None and size:
-        raise CorruptCheckpointError(f"{where}: meta 'size' {size} expected 0 with no 'spec'")
+        raise CorruptCheckpointError(f"{where}: size {size} expected 0 with no spec")
     writes = meta_int(meta, "writes", where, low=size, since="the 'size'")
     if writes % capacity != pointer:
         raise CorruptCheckpointError(

@@ -113,7 +113,7 @@ def parse_manifest(target: Path, raw: bytes, kind: str | None) -> dict[str, Any]
     for key, typ in (("meta", dict), ("tensors", dict)):
         if not isinstance(doc[key], typ):
             raise CorruptCheckpointError(
-                f"{where}: field {key!r} expected an object, got {doc[key]!r}"
+                f"{where}: field {key!r} expected a dict, got {doc[key]!r}"
             )
     if not all(isinstance(v, str) for v in doc["versions"].values()):
         raise CorruptCheckpointError(f"{where}: field 'versions' expected str values")
