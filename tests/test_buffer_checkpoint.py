@@ -18,6 +18,7 @@ from replay_helpers import rows
 from replaybuf import ReplayBuffer, SchemaError
 from replaybuf.errors import CheckpointKindError, CorruptCheckpointError, NoCheckpointError
 from replaybuf.persist.format import CRASH_ENV, read_checkpoint, write_checkpoint
+from replaybuf.persist.format.names import seal
 
 HELPER = Path(__file__).with_name("buffer_crash_helper.py")
 CAPACITY = 8
@@ -240,7 +241,7 @@ def edit_meta(directory: Path, **changes) -> None:
     path = directory / "MANIFEST.json"
     document = json.loads(path.read_text())
     document["meta"].update(changes)
-    path.write_text(json.dumps(document))
+    path.write_text(json.dumps(seal(document)))
 
 
 def spec_with(directory: Path, name: str, **changes) -> dict:

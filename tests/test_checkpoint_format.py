@@ -41,6 +41,7 @@ from replaybuf.persist.format import (
 )
 from replaybuf.persist.format import streams as ckpt_streams
 from replaybuf.persist.format import writer as ckpt_writer
+from replaybuf.persist.format.names import seal
 
 HELPER = Path(__file__).with_name("checkpoint_crash_helper.py")
 PACKAGE = Path(__file__).resolve().parents[1] / "replaybuf"
@@ -78,7 +79,7 @@ def edit_manifest(directory: Path, edit) -> None:
     path = directory / "MANIFEST.json"
     document = json.loads(path.read_text())
     edit(document)
-    path.write_text(json.dumps(document))
+    path.write_text(json.dumps(seal(document)))  # re-sealed: the checks behind the seal
 
 
 def siblings(directory: Path) -> list[str]:
@@ -118,7 +119,7 @@ def test_round_trip_keeps_every_dtype_shape_and_layout(tmp_path):
     directory = write_checkpoint(tmp_path / "ckpt", KIND, {"config": {"n": 3}}, tensors)
     with read_checkpoint(directory, KIND) as checkpoint:
         assert checkpoint.meta == {"config": {"n": 3}}
-        assert checkpoint.manifest["format_version"] == 1
+        assert checkpoint.manifest["format_version"] == 2
         assert set(checkpoint.manifest["versions"]) == {"torch", "torchrl", "tensordict"}
         for name, tensor in tensors.items():
             expected = tensor.detach().resolve_conj().as_subclass(torch.Tensor)
@@ -370,7 +371,7 @@ DAMAGE = {
     "future_version": (
         lambda d: edit_manifest(d, lambda m: m.__setitem__("format_version", 999)),
         UnsupportedVersionError,
-        "format_version expected 1, got 999",
+        "format_version expected 2, got 999",
     ),
     "traversal": (
         set_entry("file", "../../etc/passwd"),
@@ -502,7 +503,7 @@ def test_verify_lists_every_problem_and_describe_summarizes(saved):
     assert verify_checkpoint(saved) == []
     info = describe_checkpoint(saved)
     assert info["kind"] == KIND
-    assert info["format_version"] == 1
+    assert info["format_version"] == 2
     assert info["tensors"]["obs"] == {"shape": [100, 8], "dtype": "float32", "bytes": 3200}
     assert info["bytes"] == 3200 + 800 + 100
     assert info["meta"] == {"cursor": 7}

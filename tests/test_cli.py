@@ -20,6 +20,7 @@ import torch
 from replaybuf import ReplayBuffer, cli
 from replaybuf.cli import main
 from replaybuf.persist.format import write_checkpoint
+from replaybuf.persist.format.names import seal
 
 OBS_FILE = "data/rows/obs.bin"
 
@@ -94,7 +95,7 @@ def test_inspect_prints_kind_version_fields_size_and_bytes(runs):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "kind            ReplayBuffer" in out
-    assert "format_version  1" in out
+    assert "format_version  2" in out
     assert "size            8 of 8" in out
     assert "pointer=3" in out
     for line in ("rows/obs  float32  [8, 4]", "rows/action  int64  [8]", "rows/next/obs"):
@@ -159,7 +160,7 @@ def test_verify_applies_the_buffers_own_checks(tmp_path, capsys):  # in-process:
     manifest = directory / "MANIFEST.json"
     document = json.loads(manifest.read_text())
     document["meta"]["size"] = 9  # every file is intact; the meta is not
-    manifest.write_text(json.dumps(document))
+    manifest.write_text(json.dumps(seal(document)))
     assert main(["verify", str(directory)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAILED: ")
@@ -179,9 +180,9 @@ def test_verify_applies_the_episode_buffers_own_checks(tmp_path, capsys):
     manifest = directory / "MANIFEST.json"
     document = json.loads(manifest.read_text())
     document["meta"]["valid_steps"] = 4  # files intact; the anchors hold 3
-    manifest.write_text(json.dumps(document))
+    manifest.write_text(json.dumps(seal(document)))
     assert main(["verify", str(directory)]) == 1
-    assert "disagree with the episode table" in capsys.readouterr().out
+    assert "index/anchors' expected shape [4]" in capsys.readouterr().out  # from valid_steps
 
 
 # ----------------------------------------------------------------- populate

@@ -19,6 +19,7 @@ from replaybuf import (
     SyncEpisodeReplayBuffer,
 )
 from replaybuf.episodes.episode import RowsPinned
+from replaybuf.persist.format.names import seal
 
 
 def fill(buf: SyncEpisodeReplayBuffer) -> list[int]:
@@ -186,7 +187,7 @@ def test_links_that_disagree_with_the_episode_table_are_refused(tmp_path: Path) 
     manifest = json.loads((tmp_path / "ck" / "MANIFEST.json").read_text())
     table = manifest["meta"]["episodes"]
     table[0][4] += 1  # one more step than the links hold
-    (tmp_path / "ck" / "MANIFEST.json").write_text(json.dumps(manifest))
+    (tmp_path / "ck" / "MANIFEST.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(
         CorruptCheckpointError, match=r"disagree with the episode table|does not match"
     ):

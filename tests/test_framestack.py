@@ -37,6 +37,7 @@ from replaybuf import (
     SyncEpisodeReplayBuffer,
 )
 from replaybuf.core.index import stack_rows, stack_windows
+from replaybuf.persist.format.names import seal
 
 
 @pytest.fixture
@@ -455,7 +456,7 @@ def test_open_and_load_check_the_saved_frame_stacking(tmp_path: Path) -> None:
     for bad, match in ((0, "frame_stack"), (2.5, "frame_stack"), ("tile", "frame_stack_padding")):
         manifest = json.loads(original)
         manifest["meta"]["frame_stack_padding" if bad == "tile" else "frame_stack"] = bad
-        manifest_path.write_text(json.dumps(manifest))
+        manifest_path.write_text(json.dumps(seal(manifest)))
         with pytest.raises(CorruptCheckpointError, match=match):
             SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ck", scratch_dir=tmp_path)
     assert not list(tmp_path.glob("replaybuf-*")), "a refused load left storage behind"
@@ -468,6 +469,8 @@ def test_a_checkpoint_without_frame_stacking_loads_without_it(tmp_path: Path) ->
     manifest_path = tmp_path / "ck" / "MANIFEST.json"
     manifest = json.loads(manifest_path.read_text())
     del manifest["meta"]["frame_stack"], manifest["meta"]["frame_stack_padding"]  # older format
+    del manifest["manifest_sha256"]  # as format version 1 wrote it: no checksum either
+    manifest["format_version"] = 1
     manifest_path.write_text(json.dumps(manifest))
     with SyncEpisodeReplayBuffer.load_checkpoint(tmp_path / "ck", scratch_dir=tmp_path) as back:
         assert back.frame_stack is None

@@ -29,6 +29,7 @@ from replaybuf import (
     SchemaError,
     SyncEpisodeReplayBuffer,
 )
+from replaybuf.persist.format.names import seal
 from replaybuf.storage import RaggedColumn
 from replaybuf.storage.ragged import Ragged
 
@@ -485,7 +486,7 @@ def tamper(ck: Path, name: str, tensor: torch.Tensor) -> None:
         bytes=len(raw),
         sha256=hashlib.sha256(raw).hexdigest(),
     )
-    (ck / "MANIFEST.json").write_text(json.dumps(manifest))
+    (ck / "MANIFEST.json").write_text(json.dumps(seal(manifest)))
 
 
 def bad_offsets(offsets: torch.Tensor, values: int) -> list[tuple[str, torch.Tensor, str]]:

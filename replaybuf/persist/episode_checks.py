@@ -11,18 +11,24 @@ from typing import Any
 import torch
 
 from replaybuf.core import END_NONE
-from replaybuf.episodes import FRAME_PADDINGS, SAVED
+from replaybuf.episodes import SAVED
 from replaybuf.errors import CorruptCheckpointError
+from replaybuf.persist.episode_meta import (
+    DRAWS,
+    PRIORITY,
+    STATUS,
+    check_meta,
+    check_tensor_list,
+    expected_tensors,
+)
+from replaybuf.persist.meta_checks import format_version
 from replaybuf.persist.ragged import check_ragged
-from replaybuf.persist.ring import GENERATOR, meta_int, meta_spec, row_tensor_names
+from replaybuf.persist.ring import GENERATOR, meta_spec, row_tensor_names
 from replaybuf.persist.state import StateSource
-from replaybuf.sampling import FORMS, LAYOUTS
 from replaybuf.storage import FieldSpec, key_name
 
 LINKS = SAVED  # the row links a state keeps (next_row, episode, step, end_kind, alloc)
-PRIORITY = "priority/weights"
-DRAWS = "sampler/device_draws"  # the device draws' key and round (replaybuf.accel.graphs)
-STATUS = {0: "in_progress", 1: "terminated", 2: "truncated"}
+__all__ = ["DRAWS", "LINKS", "PRIORITY", "STATUS", "Saved", "check", "stacking"]
 
 
 @dataclass
@@ -46,38 +52,19 @@ def stacking(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check(checkpoint: StateSource, where: str) -> Saved:
-    """Meta ranges, tensor shapes, and every link against the episode table."""
-    meta = checkpoint.meta
-    max_steps = meta_int(meta, "max_steps", where, low=1)
-    rows = meta_int(meta, "rows", where, low=max_steps)
-    for name in ("next_id", "next_seq", "steps", "valid_steps", "evicted", "min_steps"):
-        meta_int(meta, name, where, low=0)
-    allocations = meta_int(meta, "allocations", where, low=0)
-    if not isinstance(meta.get("prioritized"), bool):
-        raise CorruptCheckpointError(f"{where}: meta 'prioritized' expected a bool")
-    high_water = meta_int(meta, "high_water", where, low=0, high=rows)
-    if meta.get("max_episodes") is not None:
-        meta_int(meta, "max_episodes", where, low=1)
-    if meta.get("frame_stack") is not None:
-        meta_int(meta, "frame_stack", where, low=1)
-    if meta.get("layout", "replaybuf") not in LAYOUTS:
-        raise CorruptCheckpointError(
-            f"{where}: meta 'layout' expected one of {LAYOUTS}, got {meta['layout']!r}"
-        )
-    if meta.get("ragged", "nested") not in FORMS:
-        raise CorruptCheckpointError(
-            f"{where}: meta 'ragged' expected one of {FORMS}, got {meta['ragged']!r}"
-        )
-    if stacking(meta)["frame_stack_padding"] not in FRAME_PADDINGS:
-        raise CorruptCheckpointError(
-            f"{where}: meta 'frame_stack_padding' expected one of {FRAME_PADDINGS}, "
-            f"got {meta['frame_stack_padding']!r}"
-        )
+    """Meta fields, the tensor list, tensor shapes, and every link against the episode table.
+
+    The meta and the list of tensors (names, shapes, dtypes from the manifest) are checked
+    before any tensor is read; then the small tensors are read and checked against them.
+    """
+    version = format_version(checkpoint)
+    meta = check_meta(checkpoint.meta, version, where)
+    rows, high_water, allocations = meta["rows"], meta["high_water"], meta["allocations"]
     spec, first = meta_spec(meta, "spec", where), meta_spec(meta, "first_obs_spec", where)
-    declared = meta_spec(meta, "declared", where)  # none in checkpoints made before it
-    table = meta.get("episodes")
-    if not isinstance(table, list) or not all(_is_entry(e) for e in table):
-        raise CorruptCheckpointError(f"{where}: meta 'episodes' is malformed")
+    declared = meta_spec(meta, "declared", where)
+    check_tensor_list(
+        checkpoint.tensors, expected_tensors(meta, spec, first, version), version, where
+    )
     small = {}
     for name in ("index/anchors", "index/free", "index/episode_rows", GENERATOR):
         small[name] = checkpoint.load(name, verify=True)
@@ -92,7 +79,7 @@ def check(checkpoint: StateSource, where: str) -> Saved:
                 f"{where}: {DRAWS} expected two int64 values >= 0 (key, round), got "
                 f"{draws.dtype} {tuple(draws.shape)} {draws.tolist()}"
             )
-    saved = Saved(meta, spec, first, table, small, declared)
+    saved = Saved(meta, spec, first, meta["episodes"], small, declared)
     _check_rows(checkpoint, saved, high_water, where)
     check_ragged(checkpoint, spec, high_water, where)
     _check_finals(checkpoint, saved, where)
@@ -114,19 +101,6 @@ def _check_priorities(saved: Saved, rows: int, allocations: int, where: str) -> 
         raise CorruptCheckpointError(f"{where}: {PRIORITY} expected {rows} finite weights")
     if bool(((weights != 0) & ~anchors).any()) or bool((weights < 0).any()):
         raise CorruptCheckpointError(f"{where}: {PRIORITY} must be >= 0, and 0 off the anchors")
-
-
-def _is_entry(entry: object) -> bool:
-    return (
-        isinstance(entry, list)
-        and len(entry) == 6
-        and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in (entry[0], entry[2], entry[4])
-        )
-        and isinstance(entry[1], str)
-        and entry[3] in STATUS
-        and isinstance(entry[5], bool)
-    )
 
 
 def _check_finals(checkpoint: StateSource, saved: Saved, where: str) -> None:

@@ -185,30 +185,48 @@ def load(
         raise TypeError(
             f"load_checkpoint() overrides must be among {list(OVERRIDES)}, got {unknown}"
         )
-    with _open(directory) as checkpoint:
-        where = f"checkpoint {str(checkpoint.directory)!r}"
-        saved = check(checkpoint, where)
-        meta = saved.meta
-        kwargs: dict[str, Any] = {
-            "max_episodes": meta["max_episodes"],
-            "device": meta["device"],
-            "storing_device": meta["storing_device"],
-            "storage": meta["storage"],
-            "min_steps": meta["min_steps"],
-            "layout": meta.get("layout", "replaybuf"),  # none in checkpoints made before it
-            "spec": saved.declared,
-            "ragged": meta.get("ragged", "nested"),
-            **stacking(meta),
-            **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
-            **overrides,
-        }
-        buffer = cls(meta["max_steps"], **kwargs)
+    checkpoint, _, kwargs = examine(directory, overrides)
+    with checkpoint:
+        buffer = cls(kwargs.pop("max_steps"), **kwargs)
         try:
             buffer.load_state_dict(checkpoint)
         except BaseException:
             buffer.close()  # nothing half-made stays behind
             raise
     return buffer
+
+
+def examine(
+    directory: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+) -> tuple[Checkpoint, Saved, dict[str, Any]]:
+    """Read and check everything a load checks before it builds the buffer: the open checkpoint
+    (sizes checked; the caller closes it), its checked state and the buffer's arguments.
+
+    :func:`load` builds the buffer from these, and ``replaybuf verify`` calls this alone: one
+    set of checks for both.
+    """
+    checkpoint = _open(directory)
+    try:
+        saved = check(checkpoint, f"checkpoint {str(checkpoint.directory)!r}")
+    except BaseException:
+        checkpoint.close()
+        raise
+    meta = saved.meta
+    kwargs: dict[str, Any] = {
+        "max_steps": meta["max_steps"],
+        "max_episodes": meta["max_episodes"],
+        "device": meta["device"],
+        "storing_device": meta["storing_device"],
+        "storage": meta["storage"],
+        "min_steps": meta["min_steps"],
+        "layout": meta["layout"],
+        "spec": saved.declared,
+        "ragged": meta["ragged"],
+        **stacking(meta),
+        **{k: meta[k] for k in ("prioritized", "alpha", "beta", "eps") if k in meta},
+        **(overrides or {}),
+    }
+    return checkpoint, saved, kwargs
 
 
 def _open(directory: str | os.PathLike[str]) -> Checkpoint:

@@ -41,8 +41,16 @@ from replaybuf.errors import (
     NoCheckpointError,
 )
 from replaybuf.persist.format import Checkpoint, read_checkpoint, write_checkpoint
-from replaybuf.persist.format.names import valid_name
-from replaybuf.persist.metadata import read_spec, require_int
+from replaybuf.persist.format.names import FORMAT_VERSION, valid_name
+from replaybuf.persist.meta_checks import (
+    check_meta_keys,
+    format_version,
+    meta_choice,
+    meta_device,
+    meta_int,
+    meta_priority,
+)
+from replaybuf.persist.metadata import read_spec
 from replaybuf.persist.state import StateSource, state_of
 from replaybuf.priority import Prioritizer
 from replaybuf.storage import FieldSpec, Key, SlotStorage, key_name, resolve_device, resolve_kind
@@ -166,12 +174,8 @@ def load(
     unknown = sorted(set(overrides) - set(OVERRIDES))
     if unknown:
         raise TypeError(f"checkpoint overrides must be among {list(OVERRIDES)}, got {unknown}")
-    with _open(directory) as checkpoint:
-        where = f"checkpoint {str(checkpoint.directory)!r}"
-        state = check(checkpoint)
-        kwargs = _constructor_kwargs(state, overrides, where)
-        generator_state = checkpoint.load(GENERATOR, verify=True)
-        _check_generator_state(generator_state, state, kwargs["storing_device"], where)
+    checkpoint, _, kwargs = examine(directory, overrides)
+    with checkpoint:
         buffer = cls(**kwargs)
         try:
             buffer.load_state_dict(checkpoint)
@@ -179,6 +183,36 @@ def load(
             buffer.close()  # nothing half-made stays behind: its scratch files go too
             raise
     return buffer
+
+
+def examine(
+    directory: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+) -> tuple[Checkpoint, RingState, dict[str, Any]]:
+    """Read and check everything a load checks before it builds the buffer: the open checkpoint
+    (sizes checked; the caller closes it), its ring state and the buffer's arguments.
+
+    :func:`load` builds the buffer from these, and ``replaybuf verify`` calls this alone: one
+    set of checks for both.
+    """
+    checkpoint = _open(directory)
+    try:
+        where = f"checkpoint {str(checkpoint.directory)!r}"
+        state = check(checkpoint)
+        kwargs = _constructor_kwargs(state, overrides or {}, where)
+        generator_state = checkpoint.load(GENERATOR, verify=True)
+        _check_generator_state(generator_state, state, kwargs["storing_device"], where)
+        if state.priority is not None:
+            check_weights(checkpoint.load(PRIORITY, verify=True), where)
+    except BaseException:
+        checkpoint.close()
+        raise
+    return checkpoint, state, kwargs
+
+
+def check_weights(weights: torch.Tensor, where: str) -> None:
+    """A prioritized ring's stored weights: finite and >= 0."""
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise CorruptCheckpointError(f"{where}: {PRIORITY} must hold finite weights >= 0")
 
 
 def open_or_create(
@@ -212,64 +246,70 @@ def _open(directory: str | os.PathLike[str]) -> Checkpoint:
 def check(checkpoint: StateSource) -> RingState:
     """The ring state of a ``ReplayBuffer`` checkpoint, after checking it agrees with itself."""
     where = f"checkpoint {str(checkpoint.directory)!r}"
-    state = parse_meta(checkpoint.meta, where)
+    state = parse_meta(checkpoint.meta, where, format_version(checkpoint))
     check_tensors(checkpoint, state, where)
     return state
 
 
-def parse_meta(meta: Mapping[str, Any], where: str) -> RingState:
+META_KEYS = tuple(name for name in RingState.__dataclass_fields__ if name != "priority")
+
+
+def parse_meta(meta: Mapping[str, Any], where: str, version: int = FORMAT_VERSION) -> RingState:
     """The ring state recorded in ``meta``, each field checked (ranges and consistency)."""
+    meta = check_meta_keys(meta, META_KEYS, {"priority": None}, version, where)
     capacity = meta_int(meta, "capacity", where, low=1)
-    size = meta_int(meta, "size", where, low=0, high=capacity)
-    pointer = meta_int(meta, "pointer", where, low=0, high=capacity - 1)
+    size = meta_int(meta, "size", where, low=0, high=capacity, since="the 'capacity'")
+    pointer = meta_int(meta, "pointer", where, 0, capacity - 1, since="the 'capacity'")
     if size < capacity and pointer != size:
         raise CorruptCheckpointError(
             f"{where}: pointer expected {size} (size % capacity while the ring is not full),"
             f" got {pointer}"
         )
-    strings: dict[str, Any] = {}  # each checked to be a str below
-    for name in ("storage", "device", "storing_device", "generator_device"):
-        strings[name] = meta.get(name)
-        if not isinstance(strings[name], str):
-            raise CorruptCheckpointError(
-                f"{where}: meta {name!r} expected a str, got {meta.get(name)!r}"
-            )
-    if strings["storage"] not in ("memmap", "tensor"):
-        raise CorruptCheckpointError(
-            f"{where}: meta 'storage' expected 'memmap' or 'tensor', got {strings['storage']!r}"
-        )
-    print_gc_warning = meta.get("print_gc_warning")
-    if not isinstance(print_gc_warning, bool):
-        raise CorruptCheckpointError(
-            f"{where}: meta 'print_gc_warning' expected a bool, got {print_gc_warning!r}"
-        )
+    storage = meta_choice(meta, "storage", where, ("memmap", "tensor"))
+    devices = {name: meta_device(meta, name, where) for name in ("device", "storing_device")}
+    generator_device = meta_choice(
+        meta, "generator_device", where, (devices["storing_device"].type,)
+    )
+    print_gc_warning = meta_choice(meta, "print_gc_warning", where, (False, True))
     spec = meta_spec(meta, "spec", where)
     if spec is None and size:
         raise CorruptCheckpointError(f"{where}: size {size} expected 0 with no spec")
-    writes = meta_int(meta, "writes", where, low=size)
+    writes = meta_int(meta, "writes", where, low=size, since="the 'size'")
     if writes % capacity != pointer:
         raise CorruptCheckpointError(
-            f"{where}: meta 'writes' expected {pointer} modulo {capacity} (the pointer), "
-            f"got {writes}"
+            f"{where}: meta 'writes' expected {pointer} modulo {capacity} (the 'pointer' and "
+            f"'capacity'), got {writes}"
         )
-    priority = meta.get("priority")
-    if priority is not None and (
-        not isinstance(priority, dict)
-        or sorted(priority) != ["alpha", "beta", "eps"]
-        or not all(isinstance(v, int | float) for v in priority.values())
-    ):
-        raise CorruptCheckpointError(f"{where}: meta 'priority' is malformed: {priority!r}")
+    # TorchRL keeps its write count in a C int, which wraps negative after 2**31 rows
+    torchrl_writes = meta_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1)
+    if (
+        torchrl_writes >= 0 and (torchrl_writes > writes or torchrl_writes % capacity != pointer)
+    ) or (torchrl_writes < 0 and writes < 1 << 31):
+        raise CorruptCheckpointError(
+            f"{where}: meta 'torchrl_write_count' expected at most the 'writes' ({writes}) and "
+            f"{pointer} modulo {capacity} (the 'pointer'), got {torchrl_writes}"
+        )
+    priority = meta["priority"]
+    if priority is not None:
+        if not isinstance(priority, dict) or sorted(priority) != list(PRIORITY_META):
+            raise CorruptCheckpointError(
+                f"{where}: meta 'priority' expected an object of {list(PRIORITY_META)}, "
+                f"got {priority!r}"
+            )
+        priority = meta_priority(priority, where, " 'priority':")
     return RingState(
         capacity=capacity,
         size=size,
         pointer=pointer,
+        storage=storage,
+        device=meta["device"],
+        storing_device=meta["storing_device"],
         print_gc_warning=print_gc_warning,
-        # TorchRL keeps its write count in a C int, which wraps negative after 2**31 rows
-        torchrl_write_count=meta_int(meta, "torchrl_write_count", where, -(1 << 31), (1 << 31) - 1),
+        torchrl_write_count=torchrl_writes,
+        generator_device=generator_device,
         spec=spec,
         writes=writes,
         priority=priority,
-        **strings,
     )
 
 
@@ -283,6 +323,7 @@ def check_tensors(checkpoint: StateSource, state: RingState, where: str) -> None
         if info is None:
             raise CorruptCheckpointError(
                 f"{where}: field {key_name(key)!r} expected tensor {name!r}, which is missing"
+                " from the manifest's tensors"
             )
         expected = ((state.size, *field.shape), field.dtype)
         if (info.shape, info.dtype) != expected:
@@ -308,14 +349,6 @@ def check_tensors(checkpoint: StateSource, state: RingState, where: str) -> None
         raise CorruptCheckpointError(
             f"{where}: tensor {GENERATOR!r} expected a 1-d uint8 tensor, got {got}"
         )
-
-
-def meta_int(
-    meta: Mapping[str, Any], name: str, where: str, low: int, high: int | None = None
-) -> int:
-    """An int of a checkpoint's meta in ``[low, high]``, else CorruptCheckpointError."""
-    context = f"{where}: meta"
-    return require_int(meta, name, low, high, error=CorruptCheckpointError, context=context)
 
 
 def meta_spec(meta: Mapping[str, Any], name: str, where: str) -> FieldSpec | None:
@@ -396,8 +429,7 @@ def restore(parts: RingParts, state: RingState, source: StateSource) -> None:
         parts.slots.restore(state.size, state.pointer, state.torchrl_write_count, fill)
     if parts.priorities is not None and state.priority is not None:
         weights = source.load(PRIORITY, verify=True)
-        if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
-            raise CorruptCheckpointError(f"{PRIORITY} must hold finite weights >= 0")
+        check_weights(weights, f"checkpoint {str(source.directory)!r}")
         parts.priorities.load_state_dict({**state.priority, "weights": weights})
     generator_state = source.load(GENERATOR, verify=True)
     restore_generator(parts.generator, generator_state, state.generator_device)

@@ -8,12 +8,13 @@ A checkpoint directory ``D`` holds::
 
 and ``MANIFEST.json`` reads::
 
-    {"format": "replaybuf.persist.format", "format_version": 1, "kind": "ReplayBuffer",
+    {"format": "replaybuf.persist.format", "format_version": 2, "kind": "ReplayBuffer",
      "created": "2026-01-01T00:00:00+00:00",
      "versions": {"torch": "...", "torchrl": "...", "tensordict": "..."},
      "meta": {...the caller's JSON: config, counters, episode table...},
      "tensors": {"obs": {"file": "data/obs.bin", "shape": [100, 4], "dtype": "float32",
-                         "bytes": 1600, "sha256": "9f86d0..."}}}
+                         "bytes": 1600, "sha256": "9f86d0..."}},
+     "manifest_sha256": "..."}   the sha256 of the rest of the manifest (canonical JSON)
 
 Nothing in a checkpoint is ever unpickled: the manifest is JSON and tensors are raw bytes. Files
 the manifest does not list (``prefetch.pkl``, ``*.pt``...) are never opened. A save writes a tmp

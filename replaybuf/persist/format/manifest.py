@@ -23,15 +23,18 @@ from replaybuf.errors import (
     UnsupportedVersionError,
 )
 from replaybuf.persist.format.names import (
+    CHECKSUM,
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    READABLE_VERSIONS,
     SHA256_HEX,
     TensorInfo,
     data_file,
     is_count,
+    manifest_digest,
     safe_relative,
     valid_name,
 )
@@ -76,28 +79,60 @@ def read_manifest(target: Path) -> dict[str, Any]:
         os.close(dir_fd)
 
 
+TOP_KEYS = ("format", "format_version", "kind", "created", "versions", "meta", "tensors")
+ENTRY_KEYS = ("file", "shape", "dtype", "bytes", "sha256")
+
+
 def parse_manifest(target: Path, raw: bytes, kind: str | None) -> dict[str, Any]:
-    where = f"checkpoint {str(target)!r}"
+    """The manifest's JSON, its top-level fields checked (names, types, version, checksum)."""
+    where = f"checkpoint {str(target)!r}: {MANIFEST}"
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: {MANIFEST} is not valid JSON: {exc}") from None
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise CorruptCheckpointError(f"{where}: {MANIFEST} format expected {FORMAT!r}, got {got!r}")
+        raise CorruptCheckpointError(f"{where}: format expected {FORMAT!r}, got {got!r}")
     version = doc.get("format_version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
-        raise UnsupportedVersionError(version, FORMAT_VERSION, where)
-    for key, typ in (("kind", str), ("meta", dict), ("tensors", dict)):
-        if not isinstance(doc.get(key), typ):
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise UnsupportedVersionError(version, FORMAT_VERSION, f"checkpoint {str(target)!r}")
+    expected = {*TOP_KEYS, CHECKSUM} if version >= 2 else set(TOP_KEYS)
+    check_keys(doc, expected, where, "field")
+    if version >= 2:  # the checksum first: it names the file for any edit of the manifest
+        digest = doc[CHECKSUM]
+        if not isinstance(digest, str) or digest != manifest_digest(doc):
             raise CorruptCheckpointError(
-                f"{where}: {MANIFEST} field {key!r} expected a {typ.__name__}, got {doc.get(key)!r}"
+                f"{where}: {CHECKSUM} does not match the manifest's contents (file altered or"
+                f" damaged): expected {manifest_digest(doc)}, got {digest!r}"
             )
+    for key, typ in (("kind", str), ("created", str), ("versions", dict)):
+        if not isinstance(doc[key], typ):
+            raise CorruptCheckpointError(
+                f"{where}: field {key!r} expected a {typ.__name__}, got {doc[key]!r}"
+            )
+    for key, typ in (("meta", dict), ("tensors", dict)):
+        if not isinstance(doc[key], typ):
+            raise CorruptCheckpointError(
+                f"{where}: field {key!r} expected a dict, got {doc[key]!r}"
+            )
+    if not all(isinstance(v, str) for v in doc["versions"].values()):
+        raise CorruptCheckpointError(f"{where}: field 'versions' expected str values")
     if kind is not None and doc["kind"] != kind:
         raise CheckpointKindError(
-            f"{where} holds a {doc['kind']!r} checkpoint; expected a {kind!r} checkpoint"
+            f"checkpoint {str(target)!r} holds a {doc['kind']!r} checkpoint; expected a {kind!r}"
+            f" checkpoint (its {MANIFEST} field 'kind')"
         )
     return doc
+
+
+def check_keys(doc: dict, expected: set[str], where: str, what: str) -> None:
+    """``doc`` has exactly the keys ``expected``: a missing or unknown one is named."""
+    missing, unknown = sorted(expected - set(doc)), sorted(set(doc) - expected)
+    if missing or unknown:
+        parts = [f"missing {what} {missing}"] * bool(missing) + [
+            f"unknown {what} {unknown}"
+        ] * bool(unknown)
+        raise CorruptCheckpointError(f"{where}: {', '.join(parts)}")
 
 
 def parse_entry(target: Path, name: object, entry: object) -> TensorInfo:
@@ -107,6 +142,7 @@ def parse_entry(target: Path, name: object, entry: object) -> TensorInfo:
         raise UnsafeCheckpointError(f"{where}: the name is not a safe relative name")
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{where}: expected an object, got {entry!r}")
+    check_keys(entry, set(ENTRY_KEYS), where, "field")
     file = entry.get("file")
     if not safe_relative(file):
         raise UnsafeCheckpointError(

@@ -6,6 +6,8 @@ it creates anything, and the reader checks every manifest entry with them before
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -19,7 +21,9 @@ import torch
 from replaybuf.errors import CheckpointError
 
 FORMAT = "replaybuf.persist.format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries CHECKSUM; 1 (still read) did not
+READABLE_VERSIONS = (1, 2)
+CHECKSUM = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this field
 MANIFEST = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 1 << 30
 DTYPES = {
@@ -108,6 +112,25 @@ def check_json(value: object, path: str) -> None:
             f"{path} must be JSON data (dict, list, str, int, float, bool, None),"
             f" got {type(value).__name__}"
         )
+
+
+def manifest_digest(document: Mapping[str, object]) -> str:
+    """sha256 of ``document``'s canonical JSON (sorted keys, no spaces), ``CHECKSUM`` left out.
+
+    Computed over the parsed document, so the manifest's layout (indentation) does not matter,
+    while any change of a key or value does.
+    """
+    rest = {key: value for key, value in document.items() if key != CHECKSUM}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(document: dict) -> dict:
+    """``document`` with its ``CHECKSUM`` field set (recomputed if it had one)."""
+    return {
+        **{k: v for k, v in document.items() if k != CHECKSUM},
+        CHECKSUM: manifest_digest(document),
+    }
 
 
 def valid_name(name: str) -> bool:

@@ -44,6 +44,11 @@ class Checkpoint:
     def meta(self) -> dict[str, Any]:
         return self.manifest["meta"]
 
+    @property
+    def format_version(self) -> int:
+        """The manifest's ``format_version``: meta written by version 1 may lack newer keys."""
+        return self.manifest["format_version"]
+
     def load(self, name: str, *, verify: bool = False) -> torch.Tensor:
         """Tensor ``name`` read into a fresh CPU tensor; see :meth:`load_into` for ``verify``."""
         info = self._info(name)

@@ -24,6 +24,7 @@ from replaybuf.persist.format.names import (
     check_tensors,
     data_file,
     dtype_name,
+    seal,
     target_path,
 )
 from replaybuf.persist.format.publish import (
@@ -153,7 +154,7 @@ def _manifest(kind: str, meta: dict, entries: dict[str, dict[str, Any]]) -> byte
         "meta": meta,
         "tensors": entries,
     }
-    return json.dumps(document, indent=1, allow_nan=False).encode()
+    return json.dumps(seal(document), indent=1, allow_nan=False).encode()
 
 
 def _write_manifest(tmp: Path, target: Path, payload: bytes, durable: bool) -> None:
