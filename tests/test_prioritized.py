@@ -319,9 +319,12 @@ def test_well_formed_cpu_updates_skip_the_torch_path(tmp_path: Path, monkeypatch
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"alpha": -0.1}, "alpha must be a number >= 0, got -0.1"),
+        ({"alpha": -0.1}, r"alpha must lie in \[0, 100\], got -0.1"),
+        ({"alpha": 1e30}, r"alpha must lie in \[0, 100\], got 1e\+30"),
+        ({"alpha": float("nan")}, r"alpha must lie in \[0, 100\], got nan"),
         ({"beta": 1.5}, r"beta must lie in \[0, 1\], got 1.5"),
-        ({"eps": -1}, "eps must be a number >= 0, got -1"),
+        ({"eps": -1}, r"eps must lie in \[0, 1e\+06\], got -1"),
+        ({"eps": float("inf")}, r"eps must lie in \[0, 1e\+06\], got inf"),
         ({"priority_backend": "magic"}, "magic"),
     ],
 )

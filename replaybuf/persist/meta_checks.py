@@ -18,10 +18,9 @@ import torch
 from replaybuf.errors import CorruptCheckpointError
 from replaybuf.persist.format.names import FORMAT_VERSION
 from replaybuf.persist.metadata import require_int
+from replaybuf.priority.policy import MAX_ALPHA, MAX_EPS
 
 MAX_COUNT = 1 << 62  # counters and ids live in int64 tensors, with room to count on
-MAX_ALPHA = 100.0  # p ** alpha of any priority above 1 overflows float32 well before this
-MAX_EPS = 1e6
 
 
 def format_version(source: object) -> int:

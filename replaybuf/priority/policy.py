@@ -26,9 +26,15 @@ if TYPE_CHECKING:
     from replaybuf.priority.base import PriorityIndex
 
 
+# The bounds a buffer takes and a checkpoint's meta is checked against (one range, so every
+# buffer that can be built can be saved and loaded again).
+MAX_ALPHA = 100.0  # p ** alpha of any priority above 1 overflows float32 well before this
+MAX_EPS = 1e6  # far above any |TD error| scale; bounds a tampered checkpoint's value
+
+
 def check_alpha(alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha >= 0:
-        raise ArgumentError(f"alpha must be a number >= 0, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= MAX_ALPHA:
+        raise ArgumentError(f"alpha must lie in [0, {MAX_ALPHA:g}], got {alpha!r}")
     return float(alpha)
 
 
@@ -39,8 +45,8 @@ def check_beta(beta: Any) -> float:
 
 
 def check_eps(eps: Any) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-        raise ArgumentError(f"eps must be a number >= 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps <= MAX_EPS:
+        raise ArgumentError(f"eps must lie in [0, {MAX_EPS:g}], got {eps!r}")
     return float(eps)
 
 
