@@ -118,7 +118,7 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
     return tensor.to(device)
 
 
-def check_n(n: Any, longest: int = INT64_MAX) -> NArg:
+def check_n(n: Any, longest: int) -> NArg:
     """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high; neither
     above ``longest``, the longest window the buffer can ever hold (its ``max_steps``: a
     window never crosses an episode's end, and no episode is longer). A larger n gives the

@@ -142,6 +142,9 @@ def test_runaway_n_step_calls_are_refused_by_name(eight_gib_free):
     refused(lambda: buf.sample_sequences(2, 17), ArgumentError, "seq_len must be <= 16")
     refused(lambda: buf.sample_sequences(10**9, 4), InsufficientSpaceError, "batch_size=")
     refused(lambda: buf.sample_episodes(10**9, replace=True), InsufficientSpaceError, "batch_size=")
+    refused(lambda: buf.iterate_epochs(4, n=10**9), ArgumentError, "n must be <= 16")
+    refused(lambda: buf.as_dataset(4, n=(2, 10**9)), ArgumentError, "n[1] (high)", "16")
+    refused(lambda: buf.as_dataset(4, seq_len=17), ArgumentError, "seq_len must be <= 16")
     # Nothing stored changed, and the generator drew nothing: the next batch is the twin's.
     assert all(same(a, buf.get_episode(e)) for a, e in zip(before, buf.episode_ids(), strict=True))
     assert same(buf.sample_n_step(4, n=16), twin.sample_n_step(4, n=16))  # n up to max_steps

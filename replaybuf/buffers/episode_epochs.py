@@ -28,6 +28,7 @@ class EpisodeEpochs:
     _lock: Any
     _core: EpisodeCore
     _generator: torch.Generator
+    max_steps: int
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
 
@@ -58,7 +59,7 @@ class EpisodeEpochs:
         """
         batch_size = positive_int(batch_size, "batch_size")
         n_epochs = positive_int(n_epochs, "n_epochs")
-        n, gamma = check_n(n), check_gamma(gamma)
+        n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
         torchrl = self._torchrl(layout)
         self._require_steps("iterate")
         return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last, torchrl)

@@ -467,6 +467,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             seq_len,
             gamma,
             strict,
+            self.max_steps,
         )
 
     @synchronized
