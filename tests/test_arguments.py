@@ -247,8 +247,23 @@ def test_appended_ints_over_int64_name_their_field():
         SchemaError,
         "'extras.k'",
     )
+    refused(
+        lambda: buf.append_observation_action_reward(i, [0, 2**63], 1, 0.0),
+        SchemaError,
+        "'observation'",
+        "int64",
+    )
     assert buf.stats()["steps"] == 12
     buf.close()
+    ring_buf = ring()
+    refused(
+        lambda: ring_buf.add_batch({"obs": [[1.0]], "action": [2**70], "reward": [1.0]}),
+        SchemaError,
+        "'action'",
+        "int64",
+    )
+    assert len(ring_buf) == 5
+    ring_buf.close()
 
 
 def test_an_episode_longer_than_max_steps_is_a_capacity_error():

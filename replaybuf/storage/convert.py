@@ -333,7 +333,12 @@ def _from_list(value: list | tuple, name: str, field: Field | None, what: str) -
     every value exactly)."""
     try:
         tensor = torch.tensor(value, device=_CPU)
-    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+    except OverflowError:
+        raise SchemaError(
+            f"{what}: field {name!r} expected ints within int64 [-2**63, 2**63 - 1], got a "
+            "list holding one beyond"
+        ) from None
+    except (ValueError, TypeError, RuntimeError) as exc:
         raise SchemaError(
             f"{what}: field {name!r} is a list that is no tensor ({exc}){_RAGGED_LIST}"
         ) from None
