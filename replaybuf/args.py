@@ -119,10 +119,13 @@ def index_tensor(indices: Any, name: str, size: int, device: torch.device) -> to
 
 
 def check_n(n: Any, longest: int) -> NArg:
-    """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high; neither
-    above ``longest``, the longest window the buffer can ever hold (its ``max_steps``: a
-    window never crosses an episode's end, and no episode is longer). A larger n gives the
-    same windows, at a cost that grows with n, so it is refused rather than clamped."""
+    """An n-step ``n``: an int >= 1, or a ``(low, high)`` pair with 1 <= low <= high.
+
+    ``longest`` is the longest window the buffer can ever hold (its ``max_steps``: a window
+    never crosses an episode's end, and no episode is longer). An int above it is clamped to
+    it: the windows are the same, and the cost no longer grows with n. A pair is kept as
+    given (clamping it would change the distribution n is drawn from); the n-step path
+    clamps each drawn n instead, and sizes its windows by ``min(high, longest)``."""
     if isinstance(n, tuple | list):
         if len(n) != 2:
             raise ArgumentError(f"n must be an int or a (low, high) pair, got {n!r}", argument="n")
@@ -130,25 +133,8 @@ def check_n(n: Any, longest: int) -> NArg:
         high = positive_int(n[1], "n[1] (high)")
         if high < low:
             raise ArgumentError(f"n must have low <= high, got {tuple(n)!r}", argument="n")
-        _within(high, "n[1] (high)", longest)
         return (low, high)
-    return _within(positive_int(n, "n"), "n", longest)
-
-
-def check_length(length: Any, name: str, longest: int) -> int:
-    """A window length (``seq_len``) in [1, ``longest``], the longest episode the buffer can
-    hold; see :func:`check_n`."""
-    return _within(positive_int(length, name), name, longest)
-
-
-def _within(value: int, name: str, longest: int) -> int:
-    if value > longest:
-        raise ArgumentError(
-            f"{name} must be <= {longest} (max_steps: no episode, so no window, is longer), "
-            f"got {value}",
-            argument=name.split(" ")[0].split("[")[0],
-        )
-    return value
+    return min(positive_int(n, "n"), longest)
 
 
 def check_gamma(gamma: Any) -> float:

@@ -19,6 +19,7 @@ from replaybuf import (
     ArgumentError,
     ArgumentTypeError,
     CapacityError,
+    EmptyBufferError,
     EpisodeReplayBuffer,
     IndexOutOfRangeError,
     InsufficientSpaceError,
@@ -130,24 +131,53 @@ def eight_gib_free(monkeypatch):
 def test_runaway_n_step_calls_are_refused_by_name(eight_gib_free):
     buf, twin = episodes(), episodes()
     before = [buf.get_episode(e) for e in buf.episode_ids()]
-    error = refused(lambda: buf.sample_n_step(4, n=10**9), ArgumentError, "n must be <= 16")
-    assert error.argument == "n"
-    refused(lambda: buf.sample_n_step(4, n=(1, 10**9)), ArgumentError, "n[1] (high)", "16")
     refused(lambda: buf.sample_n_step(4, n=2**63), ArgumentError, "n must be <= 2**63 - 1")
     error = refused(lambda: buf.sample_n_step(10**9), InsufficientSpaceError, "batch_size=")
     assert error.argument == "batch_size"
     assert error.needed > error.free == 8 << 30
     refused(lambda: buf.sample_n_step(2**62), InsufficientSpaceError, "batch_size=")
     refused(lambda: buf.sample_n_step(2**63), ArgumentError, "batch_size", "int64")
-    refused(lambda: buf.sample_sequences(2, 17), ArgumentError, "seq_len must be <= 16")
+    refused(lambda: buf.sample_sequences(2, 17), EmptyBufferError, "17 consecutive steps")
+    refused(lambda: buf.sample_sequences(2, 10**9), InsufficientSpaceError, "seq_len=1,000,000,000")
     refused(lambda: buf.sample_sequences(10**9, 4), InsufficientSpaceError, "batch_size=")
     refused(lambda: buf.sample_episodes(10**9, replace=True), InsufficientSpaceError, "batch_size=")
-    refused(lambda: buf.iterate_epochs(4, n=10**9), ArgumentError, "n must be <= 16")
-    refused(lambda: buf.as_dataset(4, n=(2, 10**9)), ArgumentError, "n[1] (high)", "16")
-    refused(lambda: buf.as_dataset(4, seq_len=17), ArgumentError, "seq_len must be <= 16")
+    refused(
+        lambda: next(iter(buf.as_dataset(4, seq_len=10**9))), InsufficientSpaceError, "seq_len="
+    )
     # Nothing stored changed, and the generator drew nothing: the next batch is the twin's.
     assert all(same(a, buf.get_episode(e)) for a, e in zip(before, buf.episode_ids(), strict=True))
     assert same(buf.sample_n_step(4, n=16), twin.sample_n_step(4, n=16))  # n up to max_steps
+    buf.close()
+    twin.close()
+
+
+def within_bounds(call):
+    """``call()``'s result, which must come quickly and without growing the peak memory."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    began = time.perf_counter()
+    result = call()
+    assert time.perf_counter() - began < 5.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024
+    return result
+
+
+def test_an_int_n_beyond_max_steps_is_clamped_to_the_same_windows(eight_gib_free):
+    buf, twin = episodes(), episodes()
+    for huge in (17, 10**9, 2**62):
+        assert same(
+            within_bounds(lambda h=huge: buf.sample_n_step(8, n=h)), twin.sample_n_step(8, n=16)
+        )
+    epochs = within_bounds(lambda: list(buf.iterate_epochs(4, n=10**9, shuffle=False)))
+    assert all(
+        same(a, b) for a, b in zip(epochs, twin.iterate_epochs(4, n=16, shuffle=False), strict=True)
+    )
+    # A (low, high) range is drawn as given, each n clamped: a window runs to its episode's end.
+    batch = within_bounds(lambda: buf.sample_n_step(64, n=(20, 10**9)))
+    assert (batch["actual_n"] == 4 - batch["start_step"]).all()
+    # Padded sequences may be longer than any episode (their memory is checked as a batch's).
+    padded = buf.sample_sequences(2, 20, strict=False)
+    assert padded["mask"].shape == (2, 20)
+    assert int(padded["mask"].sum(1).max()) <= 4
     buf.close()
     twin.close()
 
@@ -204,8 +234,8 @@ def test_the_asyncio_buffer_takes_the_same_checks(eight_gib_free):
         for t in range(3):
             await buf.append_observation_action_reward(i, [float(t)], t, 1.0)
         await buf.end_episode(i, "terminated", [0.0])
-        with pytest.raises(ArgumentError, match="n must be <= 16"):
-            await buf.sample_n_step(4, n=10**9)
+        with pytest.raises(ArgumentError, match=r"n\[1\] \(high\) must be <= 2\*\*63 - 1"):
+            await buf.sample_n_step(4, n=(1, 2**63))
         with pytest.raises(InsufficientSpaceError, match="batch_size="):
             await buf.sample_n_step(10**9)
         with pytest.raises(ArgumentError, match="min_steps must be <= max_steps"):

@@ -46,7 +46,7 @@ from typing import Any
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from replaybuf.args import NArg, check_gamma, check_length, check_n, positive_int
+from replaybuf.args import NArg, check_gamma, check_n, positive_int
 from replaybuf.errors import ArgumentError, ArgumentTypeError, InvalidStateError
 
 
@@ -157,7 +157,7 @@ def episodes_dataset(
     longest: int,
 ) -> ReplayDataset:
     """An episode buffer's dataset: n-step transitions, or sequences with ``seq_len``;
-    ``longest``: the buffer's ``max_steps``, which bounds ``n`` and ``seq_len``."""
+    ``longest``: the buffer's ``max_steps``, which bounds ``n``."""
     if seq_len is None:
         n = 1 if n is None else check_n(n, longest)
         gamma = 0.99 if gamma is None else check_gamma(gamma)
@@ -172,7 +172,7 @@ def episodes_dataset(
         )
     if gamma is not None:
         raise ArgumentError(f"gamma applies to n-step transitions, not sequences; got {gamma!r}")
-    seq_len = check_length(seq_len, "seq_len", longest)
+    seq_len = positive_int(seq_len, "seq_len")
     return ReplayDataset(
         lambda: sample_sequences(batch_size, seq_len, strict=strict),
         f"sample_sequences({batch_size}, {seq_len}, strict={strict})",

@@ -23,7 +23,6 @@ from tensordict import TensorDict
 from replaybuf.args import (
     NArg,
     check_gamma,
-    check_length,
     check_min_steps,
     check_n,
     check_seed,
@@ -341,7 +340,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
         torchrl = self._torchrl(layout)
         self._require_steps("sample")
-        window = n[1] if isinstance(n, tuple) else n
+        window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
         self._ensure_fits(batch_size, transition_bytes(self.spec, self.frame_stack or 1, window))
         batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
         return torchrl_transitions(batch, gamma) if torchrl else batch
@@ -356,10 +355,14 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
         """
         batch_size = positive_int(batch_size, "batch_size")
-        seq_len = check_length(seq_len, "seq_len", self.max_steps)
+        seq_len = positive_int(seq_len, "seq_len")  # any length: the batch's memory is checked
         torchrl = self._torchrl(layout)
         self._require_steps("sample sequences")
-        self._ensure_fits(batch_size, sequence_bytes(self.spec, seq_len, self.frame_stack or 1))
+        self._ensure_fits(
+            batch_size,
+            sequence_bytes(self.spec, seq_len, self.frame_stack or 1),
+            f"batch of sequences of seq_len={seq_len:,}",
+        )
         batch = self._chosen_paths().sequences(batch_size, seq_len, strict)
         return torchrl_transitions(batch, None) if torchrl else batch
 

@@ -105,10 +105,13 @@ class NStepBuilder:
         batch = start.shape[0]
         if isinstance(n, tuple):
             low, high = n
-            n_each: torch.Tensor | int = torch.randint(
+            drawn = torch.randint(
                 low, high + 1, (batch,), generator=generator, device=start.device
             )  # [B], RLlib's random n-step
-            n_max = high
+            # No window is longer than max_steps: an n drawn above it gives the same window,
+            # and the windows' scratch stays bounded whatever high is.
+            n_max = min(high, core.max_steps)
+            n_each: torch.Tensor | int = drawn.clamp_(max=n_max)
         else:
             n_each = n_max = n
         windows = self.math(start, n_each, n_max, gamma, table, fused_only, powers)

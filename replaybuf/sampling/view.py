@@ -39,6 +39,9 @@ class EpisodeView(Protocol):
     def frame_stack(self) -> int | None: ...
 
     @property
+    def max_steps(self) -> int: ...  # the longest an episode, so a window, can be
+
+    @property
     def frame_padding(self) -> str: ...
 
     def row_ids(self, rows: torch.Tensor) -> torch.Tensor:
