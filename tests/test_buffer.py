@@ -397,9 +397,11 @@ def test_stats_reports_size_capacity_pointer_storage_devices_and_bytes(make_buff
     assert stats["bytes"] >= 10 * row_bytes
 
 
-def test_auto_storage_is_memmap_when_storing_on_cpu(tmp_path):
+def test_auto_storage_on_cpu_keeps_a_small_buffer_in_ram_from_its_first_write(tmp_path):
     with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as buf:
-        assert buf.stats()["storage"] == "memmap"
+        assert buf.stats()["storage"] == "auto"  # the size is known at the first write
+        buf.add(transition(0))
+        assert buf.stats()["storage"] == "tensor"  # see tests/test_storage_defaults.py
 
 
 def test_devices_may_be_given_as_torch_devices(tmp_path):

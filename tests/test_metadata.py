@@ -165,7 +165,8 @@ def test_load_that_cannot_fit_leaves_an_empty_buffer_unchanged(
         source.save(tmp_path / "meta")
     with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as target:
         monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda *args: 1)
-        with pytest.raises(InsufficientSpaceError, match="needs 96 bytes, 1 are free"):
+        # 8 rows of obs (12 bytes) and TorchRL's int64 index column (8 bytes)
+        with pytest.raises(InsufficientSpaceError, match="needs 160 bytes, 1 are free"):
             target.load(tmp_path / "meta")
         assert target.buffer_size == 4
         assert target.spec is None

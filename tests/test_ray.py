@@ -178,7 +178,13 @@ async def test_collectors_and_learner_write_and_sample_concurrently(ray_cluster,
     collectors = [Collector.remote(), Collector.remote()]  # their processes start meanwhile
     home = tmp_path / "replay"  # no checkpoint there yet: a new buffer that saves there
     buf = await RemoteEpisodeReplayBuffer.create(
-        2_000, max_episodes=64, directory=home, scratch_dir=str(tmp_path), seed=0, num_cpus=1
+        2_000,
+        max_episodes=64,
+        directory=home,
+        storage="memmap",  # files in scratch_dir, whose removal at shutdown is checked
+        scratch_dir=str(tmp_path),
+        seed=0,
+        num_cpus=1,
     )
     lengths = {(w, e): n for w, ns in LENGTHS.items() for e, n in enumerate(ns)}
     total = sum(lengths.values())

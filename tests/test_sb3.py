@@ -455,7 +455,7 @@ def test_reset_close_pickle_and_garbage_collection(make, tmp_path):
     with pytest.raises(BufferClosedError):
         feed(vec_steps(rng, 2, 1, BOX_ACTIONS), ours)
     assert not list(tmp_path.glob("replaybuf-*"))
-    forgotten = SB3ReplayBuffer(10, OBS, BOX_ACTIONS, "cpu", scratch_dir=tmp_path)
+    forgotten = SB3ReplayBuffer(10, OBS, BOX_ACTIONS, "cpu", storage="memmap", scratch_dir=tmp_path)
     feed(vec_steps(rng, 1, 3, BOX_ACTIONS), forgotten)
     assert list(tmp_path.glob("replaybuf-*"))
     del forgotten

@@ -28,6 +28,7 @@ from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 from replaybuf.storage.sweep import STAMP
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
+STORED_ROW_BYTES = ROW_BYTES + 8  # and TorchRL's int64 index column, which a ring keeps
 
 
 def _scratch_folders(parent: Path) -> list[Path]:
@@ -35,7 +36,7 @@ def _scratch_folders(parent: Path) -> list[Path]:
 
 
 def test_memmap_files_live_in_a_private_folder_inside_scratch_dir(tmp_path):
-    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+    with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:
         buf.add_batch(rows(0, 3))
         (folder,) = _scratch_folders(tmp_path)
         assert list(tmp_path.iterdir()) == [folder]
@@ -46,7 +47,7 @@ def test_memmap_files_live_in_a_private_folder_inside_scratch_dir(tmp_path):
 
 def test_close_removes_the_private_folder_and_keeps_the_users_folder(tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
-    buf = ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path)
+    buf = ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path)
     buf.add_batch(rows(0, 3))
     assert len(_scratch_folders(tmp_path)) == 1
     buf.close()
@@ -55,14 +56,14 @@ def test_close_removes_the_private_folder_and_keeps_the_users_folder(tmp_path):
 
 
 def test_context_manager_removes_the_private_folder(tmp_path):
-    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+    with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:
         buf.add_batch(rows(0, 3))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_context_manager_removes_the_private_folder_when_the_block_raises(tmp_path):
     def fail_inside_the_block():
-        with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+        with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:
             buf.add_batch(rows(0, 3))
             raise RuntimeError("boom")
 
@@ -72,7 +73,7 @@ def test_context_manager_removes_the_private_folder_when_the_block_raises(tmp_pa
 
 
 def test_garbage_collection_removes_the_private_folder(tmp_path):
-    buf = ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path)
+    buf = ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path)
     buf.add_batch(rows(0, 3))
     del buf
     gc.collect()
@@ -80,7 +81,7 @@ def test_garbage_collection_removes_the_private_folder(tmp_path):
 
 
 def test_reset_replaces_the_private_folder(tmp_path):
-    with ReplayBuffer("cpu", "cpu", 8, scratch_dir=tmp_path) as buf:
+    with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:
         buf.add_batch(rows(0, 3))
         before = _scratch_folders(tmp_path)
         buf.reset()
@@ -91,8 +92,8 @@ def test_reset_replaces_the_private_folder(tmp_path):
 
 def test_two_buffers_in_one_scratch_dir_do_not_share_files(tmp_path):
     with (
-        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as a,
-        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as b,
+        ReplayBuffer("cpu", "cpu", 4, storage="memmap", scratch_dir=tmp_path) as a,
+        ReplayBuffer("cpu", "cpu", 4, storage="memmap", scratch_dir=tmp_path) as b,
     ):
         a.add_batch(rows(0, 2))
         b.add_batch(rows(10, 2))
@@ -104,7 +105,7 @@ def test_two_buffers_in_one_scratch_dir_do_not_share_files(tmp_path):
 
 
 def test_default_scratch_folder_is_in_the_temp_dir_and_not_in_dev_shm():
-    with ReplayBuffer("cpu", "cpu", 4) as buf:
+    with ReplayBuffer("cpu", "cpu", 4, storage="memmap") as buf:
         buf.add_batch(rows(0, 2))
         folder = Path(buf.stats()["scratch_dir"]).resolve()
     assert folder.parent == Path(tempfile.gettempdir()).resolve()
@@ -147,10 +148,12 @@ def test_too_little_space_raises_before_allocating_and_changes_nothing(
 ):
     monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda kind, device, folder: 100)
     with ReplayBuffer("cpu", "cpu", 4, storage=storage_kind, scratch_dir=tmp_path) as buf:
-        message = rf"not enough space on {where}.*needs {4 * ROW_BYTES:,} bytes, 100 are free"
+        message = (
+            rf"not enough space on {where}.*needs {4 * STORED_ROW_BYTES:,} bytes, 100 are free"
+        )
         with unchanged(buf), pytest.raises(InsufficientSpaceError, match=message) as info:
             buf.add_batch(rows(0, 2))
-        assert (info.value.needed, info.value.free) == (4 * ROW_BYTES, 100)
+        assert (info.value.needed, info.value.free) == (4 * STORED_ROW_BYTES, 100)
         assert buf.spec is None
         assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != STAMP] == []
         monkeypatch.undo()
@@ -166,8 +169,8 @@ def test_a_full_disk_at_reservation_raises_and_leaves_the_buffer_empty_and_usabl
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    with ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path) as buf:
-        with unchanged(buf), pytest.raises(InsufficientSpaceError, match=r"disk at .*needs 180"):
+    with ReplayBuffer("cpu", "cpu", 4, storage="memmap", scratch_dir=tmp_path) as buf:
+        with unchanged(buf), pytest.raises(InsufficientSpaceError, match=r"disk at .*needs 212"):
             buf.add_batch(rows(0, 2))
         assert (buf.spec, len(buf.memory)) == (None, 0)
         assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != STAMP] == []
@@ -179,16 +182,16 @@ def test_a_full_disk_at_reservation_raises_and_leaves_the_buffer_empty_and_usabl
 def test_stats_bytes_cover_the_allocated_rows(tmp_path, storage):
     with ReplayBuffer("cpu", "cpu", 100, storage=storage, scratch_dir=tmp_path) as buf:
         buf.add_batch(rows(0, 1))
-        assert buf.stats()["planned_bytes"] == 100 * ROW_BYTES
-        assert buf.stats()["bytes"] >= 100 * ROW_BYTES
+        assert buf.stats()["planned_bytes"] == 100 * STORED_ROW_BYTES
+        assert buf.stats()["bytes"] >= 100 * STORED_ROW_BYTES
 
 
 _CHILD = textwrap.dedent(
     """
     import json, sys, torch
     from replaybuf import ReplayBuffer
-    default = ReplayBuffer("cpu", "cpu", 16)
-    mine = ReplayBuffer("cpu", "cpu", 16, scratch_dir=sys.argv[1])
+    default = ReplayBuffer("cpu", "cpu", 16, storage="memmap")
+    mine = ReplayBuffer("cpu", "cpu", 16, storage="memmap", scratch_dir=sys.argv[1])
     for buf in (default, mine):
         buf.add_batch({"obs": torch.zeros(20, 3)})
     print(json.dumps([default.stats()["scratch_dir"], mine.stats()["scratch_dir"]]))
@@ -219,7 +222,7 @@ def test_a_relative_scratch_dir_is_cleaned_up_after_a_change_of_directory(tmp_pa
     (tmp_path / "scratch").mkdir()
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path)
-    buf = ReplayBuffer("cpu", "cpu", 4, scratch_dir="scratch")
+    buf = ReplayBuffer("cpu", "cpu", 4, storage="memmap", scratch_dir="scratch")
     buf.add_batch(rows(0, 2))
     assert Path(buf.stats()["scratch_dir"]).is_absolute()
     monkeypatch.chdir(tmp_path / "elsewhere")
@@ -236,8 +239,10 @@ def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_pat
         "done": Field((), torch.bool),
         "next": {"obs": ((4,), torch.float32)},
     }
-    with ReplayBuffer("cpu", "cpu", 100, scratch_dir=tmp_path, spec=declared) as buf:
-        assert buf.stats()["planned_bytes"] == 100 * ROW_BYTES  # before any write
+    with ReplayBuffer(
+        "cpu", "cpu", 100, storage="memmap", scratch_dir=tmp_path, spec=declared
+    ) as buf:
+        assert buf.stats()["planned_bytes"] == 100 * STORED_ROW_BYTES  # before any write
         assert buf.stats()["bytes"] == 0
         buf.add_batch(rows(0, 3))  # the first write is checked against the declared spec
         with pytest.raises(SchemaError, match="keys differ"):
@@ -245,8 +250,8 @@ def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_pat
         buf.reset()
         assert buf.spec == FieldSpec.declare(declared)  # a declared spec survives reset
     monkeypatch.setattr(replaybuf.storage.space, "free_bytes", lambda kind, device, folder: 100)
-    with pytest.raises(InsufficientSpaceError, match=rf"needs {10**6 * ROW_BYTES:,} bytes"):
-        ReplayBuffer("cpu", "cpu", 10**6, scratch_dir=tmp_path, spec=declared)
+    with pytest.raises(InsufficientSpaceError, match=rf"needs {10**6 * STORED_ROW_BYTES:,} bytes"):
+        ReplayBuffer("cpu", "cpu", 10**6, storage="memmap", scratch_dir=tmp_path, spec=declared)
     assert list(tmp_path.iterdir()) == []  # nothing allocated, no folder left
 
 
@@ -263,7 +268,7 @@ def test_a_declared_spec_reports_planned_bytes_and_fails_at_construction(tmp_pat
 )
 def test_a_bad_declared_spec_is_refused_naming_the_field(tmp_path, spec, match):
     with pytest.raises(ValueError, match=match):
-        ReplayBuffer("cpu", "cpu", 4, scratch_dir=tmp_path, spec=spec)
+        ReplayBuffer("cpu", "cpu", 4, storage="memmap", scratch_dir=tmp_path, spec=spec)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -206,7 +206,7 @@ class EpisodePersistence:
                 "max_steps": self.max_steps,
                 "max_episodes": self.max_episodes,
                 "rows": core.slots.capacity,
-                "storage": core.slots.kind,
+                "storage": core.slots.reported_kind,
                 "device": str(self.device),
                 "storing_device": str(self.storing_device),
                 "spec": None if self.spec is None else self.spec.to_json(),

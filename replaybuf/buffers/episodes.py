@@ -156,7 +156,11 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             alpha, beta, eps, backend = self._priority
             priorities = Prioritizer(rows, self.storing_device, alpha, beta, eps, backend)
         slots = SlotStorage(
-            rows, kind=kind, storing_device=self.storing_device, scratch_dir=scratch_dir
+            rows,
+            kind=kind,
+            storing_device=self.storing_device,
+            scratch_dir=scratch_dir,
+            index_column=False,  # rows are written at slots, not through TorchRL's extend
         )
         core = EpisodeCore(
             slots,

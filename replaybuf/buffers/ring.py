@@ -59,7 +59,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         storing_device: where rows are kept (``"cpu"`` or a CUDA device).
         buffer_size: capacity in transitions.
         print_gc_warning: log a warning when ``reset`` runs the garbage collector (ObjectRL).
-        storage: ``"auto"`` (memmap on CPU, tensor on CUDA), ``"memmap"`` or ``"tensor"``.
+        storage: ``"auto"``, ``"memmap"`` or ``"tensor"``. ``"auto"`` on the CPU keeps rows
+            that plan at most 256 MiB in RAM (tensor storage) and larger ones in memmap
+            files, chosen at the first write (or at once from ``spec``); on CUDA, tensor.
         scratch_dir: existing folder for memmap files; a private subfolder is created there
             and removed by ``close()``. Defaults to the system temporary folder (on disk).
         seed: seeds the sampling generator, for reproducible batches.
@@ -163,7 +165,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
 
     @property
     def storage_kind(self) -> str:
-        return self._slots.kind
+        """``"memmap"`` or ``"tensor"``; ``"auto"`` until the first write (or a declared spec)
+        lets ``storage="auto"`` choose."""
+        return self._slots.reported_kind
 
     def __len__(self) -> int:
         return self._size

@@ -116,7 +116,7 @@ class RingPersistence:
         """This buffer's configuration and components, for its state and checkpoints."""
         return RingParts(
             self.buffer_size,
-            self.storage_kind,
+            self._slots.kind,  # the kind in use (an undecided "auto": memmap's placeholder)
             self.device,
             self.storing_device,
             self.print_gc_warning,
@@ -161,7 +161,7 @@ class RingPersistence:
             )
         slots = SlotStorage(
             self.buffer_size,
-            kind=self._slots.kind,
+            kind=self._slots.requested,  # "auto" chooses again for the state's spec
             storing_device=self.storing_device,
             scratch_dir=self._scratch_dir,
         )

@@ -159,7 +159,8 @@ def core_stats(core: EpisodeCore) -> dict[str, Any]:
         "agents": agents,
         "evicted_episodes": core.evicted,
         "rows": core.slots.capacity,
-        "storage": core.slots.kind,
+        "storage": core.slots.reported_kind,
+        "planned_bytes": core.slots.planned_bytes,
         "bytes": core.slots.stored_bytes() + core.links.nbytes + core.anchors.nbytes,
         **priority_stats(core.priorities),
     }

@@ -30,6 +30,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 from replaybuf.errors import CapacityError
 from replaybuf.storage.devices import StorageKind
+from replaybuf.storage.quiet import quiet_allocation
 
 LENGTH_BITS = 24
 MAX_LENGTH = (1 << LENGTH_BITS) - 1  # values of one row at most
@@ -203,7 +204,7 @@ class RaggedColumn:
             storage = LazyTensorStorage(tokens, device=self.device)
         self._storages += 1
         self._next_folder = folder
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), quiet_allocation():  # TorchRL logs allocations
             example = torch.zeros((1, *self.shape), dtype=self.dtype)
             storage.set(torch.zeros(1, dtype=torch.long), example)
         arena = storage._storage  # TorchRL's allocated tensor (see storage.torchrl_state)

@@ -5,9 +5,10 @@ Rows live in a ``LazyMemmapStorage`` or ``LazyTensorStorage`` behind a
 buffer). What TorchRL lacks is added around it:
 
 * a private scratch folder on disk (:mod:`replaybuf.storage.scratch`);
-* a space check before allocation and reserved disk blocks after it, so a full disk raises
-  :class:`InsufficientSpaceError` instead of killing the process with SIGBUS later
-  (:mod:`replaybuf.storage.space`);
+* ``kind="auto"``'s choice, a space check before allocation and disk blocks reserved just
+  ahead of the writes (:mod:`replaybuf.storage.planning`), so memmap files grow with the data
+  and a full disk raises :class:`InsufficientSpaceError` instead of SIGBUS later;
+* TorchRL's INFO line on allocating kept off the console (:mod:`replaybuf.storage.quiet`);
 * writes as slice or ``index_copy_`` copies into the very columns TorchRL holds, with its
   bookkeeping repeated through its own methods (:mod:`replaybuf.storage.torchrl_state`), as a
   TensorDict setitem costs far more than the copies;
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,12 +31,13 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
 from replaybuf.storage.delivery import Part, PinnedStager, count_rows, rows_of, to_device_async
-from replaybuf.storage.devices import StorageKind
+from replaybuf.storage.devices import StorageChoice, StorageKind
 from replaybuf.storage.hugepages import advise_huge_pages
+from replaybuf.storage.planning import SlotPlanning
+from replaybuf.storage.quiet import quiet_allocation
 from replaybuf.storage.ragged import Ragged, RaggedColumn
 from replaybuf.storage.schema import FieldSpec, Key
 from replaybuf.storage.scratch import ScratchFolder
-from replaybuf.storage.space import ensure_space, reserve_files
 from replaybuf.storage.staging import row_words
 from replaybuf.storage.tensordicts import NEW_UNSAFE, build_tensordict, tensordict_of
 from replaybuf.storage.torchrl_state import (
@@ -52,20 +53,31 @@ from replaybuf.storage.torchrl_state import (
 _CPU = torch.device("cpu")
 
 
-class SlotStorage:
+class SlotStorage(SlotPlanning):
     """Fixed-capacity rows in TorchRL storage, addressed by slot, on the storing device."""
 
     def __init__(
         self,
         capacity: int,
         *,
-        kind: StorageKind,
+        kind: StorageChoice,
         storing_device: torch.device,
         scratch_dir: str | os.PathLike | None = None,
+        index_column: bool = True,
     ) -> None:
+        """``kind``: ``"auto"``, ``"memmap"`` or ``"tensor"`` (auto on CUDA: tensor).
+        ``index_column``: whether rows are written through TorchRL's ``extend`` (a ring),
+        which stores an int64 index column beside them, rather than at slots (``write``)."""
         self.capacity = capacity
-        self.kind: StorageKind = kind
-        self.storing_device = storing_device
+        if kind == "auto" and storing_device.type != "cpu":
+            kind = "tensor"
+        self.requested: StorageChoice = kind
+        # The kind of the storage that exists: "auto" is decided in prepare(), once the spec
+        # gives the size; until then memmap, the kind of a size not yet known.
+        self.kind: StorageKind = "memmap" if kind == "auto" else kind
+        self.index_column, self.storing_device = index_column, storing_device
+        if kind == "auto" and scratch_dir is not None and not Path(scratch_dir).is_dir():
+            raise ValueError(f"scratch_dir must be an existing directory, got {str(scratch_dir)!r}")
         self.spec: FieldSpec | None = None
         # Each ragged field's arena and row spans (see replaybuf.storage.ragged), by key.
         self.ragged: dict[Key, RaggedColumn] = {}
@@ -80,6 +92,7 @@ class SlotStorage:
         # (its invariant, written on the ring's first pass); extend then skips re-writing them.
         self._index_known = 0
         self._direct = False  # set after the first write (see _after_first_write)
+        self._reserved = 0  # rows whose disk blocks are reserved (see _reserve)
         self._columns: dict[Key, torch.Tensor] = {}  # the same, by key (sampling's lookups)
         # numpy views of the columns when they live on the CPU (a dtype numpy lacks: absent),
         # for the host sampling paths: a numpy call costs less than torch's index_select or
@@ -101,7 +114,11 @@ class SlotStorage:
 
     # ----------------------------------------------------------------- lifecycle
     def _new_memory(self) -> TensorDictReplayBuffer:
-        """An empty TorchRL buffer (memmap: in a new scratch folder)."""
+        """An empty TorchRL buffer (memmap: in a new scratch folder; an undecided ``auto``
+        one: a placeholder, replaced once the kind is chosen, before it allocates)."""
+        if not self.decided:
+            self.kind = "memmap"
+            return new_memory("memmap", self.capacity, self.storing_device, None)
         if self.kind == "memmap":
             self._scratch = ScratchFolder(self._scratch_parent)
         scratch = None if self._scratch is None else self._scratch.path
@@ -125,6 +142,7 @@ class SlotStorage:
         self._index_known = 0
         self._flat_names = None
         self._direct = False
+        self._reserved = 0
         self.memory = None
         self._close_ragged()
         self._stager.clear()
@@ -133,20 +151,20 @@ class SlotStorage:
             self._scratch = None
 
     @property
-    def planned_bytes(self) -> int:
-        """What the rows occupy once allocated (0 before the first write fixes the spec)."""
-        return 0 if self.spec is None else self.capacity * self.spec.row_bytes
-
-    @property
     def scratch_path(self) -> Path | None:
         """The memmap files' folder (None for tensor storage, or once closed)."""
         return None if self._scratch is None else self._scratch.path
 
     # ----------------------------------------------------------------- writes
     def prepare(self, spec: FieldSpec) -> None:
-        """Fix the spec and check the space before the first write allocates anything; each
-        ragged field gets its arena (allocated at its first values)."""
+        """Fix the spec (and an ``auto`` storage's kind) and check the space before the first
+        write allocates anything; each ragged field gets its arena (allocated at its first
+        values)."""
         self.check_space(self.capacity, spec)
+        if not self.decided:  # the placeholder holds nothing: replaced by the chosen storage
+            self.kind = self.kind_for(self.capacity, spec)
+            self.spec = spec
+            self.memory = self._new_memory()
         self.spec = spec
         self.ragged = {
             key: RaggedColumn(
@@ -164,11 +182,6 @@ class SlotStorage:
         for column in self.ragged.values():
             column.rows_hint = self.rows_hint
 
-    def check_space(self, capacity: int, spec: FieldSpec) -> None:
-        """Raise :class:`InsufficientSpaceError` unless ``capacity`` rows of ``spec`` fit."""
-        folder = self.scratch_path or Path(tempfile.gettempdir())
-        ensure_space(self.kind, self.storing_device, folder, capacity * spec.row_bytes)
-
     def extend(self, data: TensorDictBase | dict[Key, torch.Tensor]) -> None:
         """Append rows round-robin at TorchRL's writer cursor (ring semantics); at most
         ``capacity`` rows. ``data``: a TensorDict or ``[rows, ...]`` leaves by flat key."""
@@ -178,10 +191,14 @@ class SlotStorage:
             first = not self._leaves
             td = data if isinstance(data, TensorDictBase) else tensordict_of(data)
             cursor = self.memory.writer.state_dict().get("_cursor")  # other writers: None
-            with torch.inference_mode(False):  # a first write allocates (NORMAL_TENSORS)
+            rows = td.shape[0]
+            if not first:  # other writers: no cursor known, so every row
+                self._reserve(self.capacity if cursor is None else cursor + rows)
+            # A first write allocates (NORMAL_TENSORS), and TorchRL logs that it did.
+            with torch.inference_mode(False), quiet_allocation():
                 self.memory.extend(td.to(self.storing_device))
             if first:
-                self._after_first_write()
+                self._after_first_write(self.capacity if cursor is None else cursor + rows)
             self._index_written(cursor, td.shape[0])  # TorchRL's extend wrote the index
             return
         # TorchRL's TensorDictRoundRobinWriter.extend is: slots from its cursor, cursor and
@@ -196,6 +213,8 @@ class SlotStorage:
         values = [data[key] for key, _ in self._leaves]
         rows = values[0].shape[0]
         end = cursor + rows
+        if end > self._reserved:  # files grow ahead of the rows (a no-op once all reserved)
+            self._reserve(end)
         if end <= self.capacity:  # one run of slots: copy whole values, no slicing of them
             for (_, column), value in zip(self._leaves, values, strict=True):
                 # Slice assignment is torch's slice + copy_ in one call (copy_ also moves
@@ -258,6 +277,7 @@ class SlotStorage:
             count = slots.shape[0]
             self._write_through_torchrl(slots, build_tensordict(keys, values, count, _CPU))
             return
+        self._reserve_slots(slots)
         if staged is not None and self._row_words is not None and self.row_scatter is not None:
             at = slots.numpy()
             staged_by_key = dict(zip(keys, staged, strict=True))
@@ -285,13 +305,17 @@ class SlotStorage:
     def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         """Write rows at ``slots`` through TorchRL's own ``set`` (a first write allocates)."""
         first = not self._leaves
-        with torch.inference_mode(False):  # TorchRL allocates at the first write (NORMAL_TENSORS)
+        if not first:
+            self._reserve_slots(slots)
+        # TorchRL allocates at the first write (NORMAL_TENSORS), and logs that it did.
+        with torch.inference_mode(False), quiet_allocation():
             self.memory.storage.set(slots.to(self.storing_device), td.to(self.storing_device))
         if first:
-            self._after_first_write()
+            self._after_first_write(int(slots.max()) + 1 if slots.numel() else 0)
 
-    def _after_first_write(self) -> None:
-        """Take hold of the columns TorchRL allocated: views, row words and write paths."""
+    def _after_first_write(self, written: int = 1) -> None:
+        """Take hold of the columns TorchRL allocated (the first ``written`` slots written):
+        views, row words, write paths and the disk blocks ahead."""
         stored = allocated(self.memory)
         leaves, self._index_column = stored_columns(stored)
         self._leaves = leaves
@@ -312,8 +336,7 @@ class SlotStorage:
         self._flat_names = (
             [k[0] for k, _ in leaves] if all(len(k) == 1 for k, _ in leaves) else None
         )
-        if self.kind == "memmap":
-            reserve_files(stored, self.scratch_path, self.planned_bytes, self.reset)
+        self._reserve(max(written, 1))
 
     # ----------------------------------------------------------------- reads
     def gather(
@@ -469,6 +492,7 @@ class SlotStorage:
             self.extend(first)
         else:
             self.write(torch.zeros(1, dtype=torch.long), first)
+        self._reserve(rows)
         for key, column in self._leaves:
             fill(key, column[:rows])  # a view: memmap rows are filled in place, never copied
         if restore_state(self.memory, rows, cursor, writes):  # TorchRL's index column too

@@ -1,9 +1,12 @@
-"""Space checks for storage: enough room before allocating, and disk blocks reserved after.
+"""Space checks for storage: enough room before allocating, and disk blocks reserved as rows come.
 
 A memmap file whose blocks the disk cannot supply kills the process with SIGBUS at the first
-write that touches them. So the rows' bytes are checked against what is free before the first
-write allocates them, and every memmap file's blocks are reserved (``posix_fallocate``) right
-after, so that a full disk raises :class:`InsufficientSpaceError` instead.
+write that touches them. So the rows' bytes (the whole capacity) are checked against what is
+free before the first write allocates them. TorchRL makes its memmap files sparse (their size
+set, no block written), so they take disk blocks only as rows are written; the storage
+reserves blocks (``posix_fallocate``) a slice of rows ahead of its writes
+(:func:`reserve_rows`), so that a disk filled since the check raises
+:class:`InsufficientSpaceError` at a write instead of SIGBUS.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +23,15 @@ from tensordict import TensorDictBase
 
 from replaybuf.errors import InsufficientSpaceError
 from replaybuf.storage.devices import StorageKind
+from replaybuf.storage.schema import FieldSpec
+
+# TorchRL's own column of row slots (int64), which TensorDictReplayBuffer.extend writes; a
+# ragged field's span per row (on the host) is as wide.
+INDEX_BYTES = 8
+# Memmap files get their disk blocks reserved this many slices of the capacity at a time,
+# ahead of the rows written: the files grow with the data, at most a slice ahead of it.
+RESERVE_SLICES = 64
+_CPU = torch.device("cpu")
 
 
 def free_bytes(kind: StorageKind, device: torch.device, folder: Path) -> int:
@@ -37,6 +50,11 @@ def free_bytes(kind: StorageKind, device: torch.device, folder: Path) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def free_ram() -> int:
+    """Bytes of host RAM available now."""
+    return free_bytes("tensor", _CPU, Path(tempfile.gettempdir()))
+
+
 def _where(kind: StorageKind, device: torch.device, folder: Path) -> str:
     """Where a storage of ``kind`` allocates, in words, for the error message."""
     if kind == "memmap":
@@ -52,28 +70,76 @@ def ensure_space(kind: StorageKind, device: torch.device, folder: Path, needed: 
         raise InsufficientSpaceError(_where(kind, device, folder), needed, free)
 
 
-def reserve_files(
-    stored: TensorDictBase, folder: Path | None, needed: int, release: Callable[[], None]
-) -> None:
-    """Reserve disk blocks for every memmap file of ``stored``, so a full disk fails now, not
-    as SIGBUS later.
+def plan(capacity: int, spec: FieldSpec, index_column: bool) -> tuple[int, int]:
+    """Bytes ``capacity`` rows of ``spec`` take: in the storage (every column TorchRL
+    allocates: the fixed fields, and its int64 index column where it keeps one), and on the
+    host for the ragged fields' spans (8 bytes a row each). Ragged fields' arenas grow with
+    their values and are not planned."""
+    index = INDEX_BYTES if index_column else 0
+    spans = capacity * INDEX_BYTES * len(spec.ragged_keys)
+    return capacity * (spec.fixed.row_bytes + index), spans
 
-    On a full disk, ``release()`` undoes the allocation, then :class:`InsufficientSpaceError`
-    reports ``needed`` bytes against what is free in ``folder`` (None: the file's folder).
+
+def check_plan(
+    kind: StorageKind, device: torch.device, folder: Path, planned: tuple[int, int]
+) -> None:
+    """:func:`ensure_space` for a :func:`plan`: the storage's bytes where a storage of
+    ``kind`` allocates them, the spans' in host RAM."""
+    stored, spans = planned
+    if kind == "tensor" and device.type == "cpu":
+        stored, spans = stored + spans, 0  # both in RAM: one check
+    ensure_space(kind, device, folder, stored)
+    if spans:
+        ensure_space("tensor", _CPU, folder, spans)
+
+
+def reserve_ahead(
+    stored: TensorDictBase,
+    reserved: int,
+    stop: int,
+    folder: Path | None,
+    needed: int,
+    release: Callable[[], None] | None,
+) -> int:
+    """Reserve the blocks of rows ``[reserved, stop)`` of ``stored``'s memmap files and of a
+    slice (``1 / RESERVE_SLICES`` of the capacity) beyond; the rows now reserved
+    (:func:`reserve_rows` for the rest)."""
+    capacity = stored.shape[0]
+    step = -(-capacity // RESERVE_SLICES)
+    stop = min(capacity, max(stop, reserved + step))
+    reserve_rows(stored, reserved, stop, folder, needed, release)
+    return stop
+
+
+def reserve_rows(
+    stored: TensorDictBase,
+    start: int,
+    stop: int,
+    folder: Path | None,
+    needed: int,
+    release: Callable[[], None] | None = None,
+) -> None:
+    """Reserve the disk blocks of rows ``[start, stop)`` in every memmap file of ``stored``,
+    so a full disk fails now, not as SIGBUS when those rows are written.
+
+    On a full disk, ``release()`` (when given) undoes the allocation, then
+    :class:`InsufficientSpaceError` reports ``needed`` bytes against what is free in
+    ``folder`` (None: the file's folder).
     """
     for _, value in stored.items(include_nested=True, leaves_only=True):
         filename = getattr(value, "filename", None)
         if not filename or value.numel() == 0:  # TorchRL writes no file for no bytes
             continue
-        size = os.path.getsize(filename)
+        row = value[0].numel() * value.element_size()
         fd = os.open(filename, os.O_RDWR)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.posix_fallocate(fd, start * row, (stop - start) * row)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 where = folder or Path(filename).parent
                 free = shutil.disk_usage(where).free
-                release()  # back to empty and usable, as before this first write
+                if release is not None:
+                    release()  # back to empty and usable, as before this first write
                 raise InsufficientSpaceError(f"disk at {where}", needed, free) from exc
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
