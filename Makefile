@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # The tests cover every integration, so the test venv gets every extra.
 EXTRAS ?= dev,examples,sb3,ray,bench,fast
 
-BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint bench_ragged
+BENCHES := bench_replay bench_episodes bench_priority bench_checkpoint bench_ragged bench_prefetch
 
 .PHONY: demo test lint bench bench-quick bench-detail bench-cuda clean
 

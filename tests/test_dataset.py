@@ -119,13 +119,35 @@ def test_iterating_in_a_dataloader_worker_is_refused(episodes, monkeypatch):
     # What a forked worker sees (a real forked worker costs seconds to shut down here).
     worker = SimpleNamespace(id=0, num_workers=2)
     monkeypatch.setattr(replaybuf.buffers.dataset, "get_worker_info", lambda: worker)
-    with pytest.raises(RuntimeError, match="expected to run in the training process"):
+    with pytest.raises(RuntimeError, match=r"training process .*num_workers=2.*prefetch=k"):
         next(iter(as_dataset(episodes, 4)))
+
+
+def test_a_plain_dataloader_with_batch_size_none_passes_tensordicts_through(make_buffer, episodes):
+    buf = make_buffer(16)
+    buf.add_batch({"obs": torch.arange(16.0).unsqueeze(1), "action": torch.arange(16)})
+    for dataset, shape in (
+        (as_dataset(buf, 8), (8,)),
+        (as_dataset(episodes, 8, n=3), (8,)),
+        (as_dataset(episodes, 3, seq_len=4), (3, 4)),
+    ):
+        (batch,) = take(DataLoader(dataset, batch_size=None), 1)  # torch's default collate_fn
+        assert isinstance(batch, TensorDict)
+        assert batch.batch_size == torch.Size(shape)
+    # Every other input still goes through torch's own default_convert.
+    assert DataLoader(as_dataset(buf, 2), batch_size=None).collate_fn([1, 2]) == [1, 2]
+
+
+def test_loader_refuses_workers_and_points_to_prefetch(episodes):
+    with pytest.raises(ValueError, match=r"num_workers=0, got num_workers=2.*prefetch=k"):
+        as_dataset(episodes, 4).loader(num_workers=2)
 
 
 @pytest.mark.filterwarnings("ignore:Got pickle error")  # the spawned worker is refused
 def test_spawned_workers_are_refused_before_they_start(episodes):
-    spawned = as_dataset(episodes, 4).loader(num_workers=1, multiprocessing_context="spawn")
+    spawned = DataLoader(
+        as_dataset(episodes, 4), batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
     with pytest.raises(TypeError, match="ReplayDataset cannot be pickled"):
         next(iter(spawned))
     with pytest.raises(TypeError, match="use num_workers=0"):

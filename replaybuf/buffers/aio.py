@@ -294,11 +294,14 @@ class EpisodeReplayBuffer:
         shuffle: bool = True,
         drop_last: bool = False,
         layout: str | None = None,
+        prefetch: int = 0,
     ) -> AsyncIterator[TensorDict]:
         """Async n-step epoch batches; the next batch is prepared while the caller works.
 
         Each batch is built under the lock, so writers interleave between batches; semantics
-        are those of :meth:`SyncEpisodeReplayBuffer.iterate_epochs`.
+        are those of :meth:`SyncEpisodeReplayBuffer.iterate_epochs`. ``prefetch=k`` builds
+        ``k`` batches ahead on a thread instead of on the event loop (the sync core's thread
+        lock keeps each build atomic; awaiting one costs an ``asyncio.to_thread`` hop).
         """
         # A generator (closed below, when this one ends), though annotated as an iterator.
         batches = cast(
@@ -311,10 +314,14 @@ class EpisodeReplayBuffer:
                 gamma=gamma,
                 shuffle=shuffle,
                 drop_last=drop_last,
+                layout=layout,
+                prefetch=prefetch,
             ),
         )
 
         async def prepare() -> TensorDict | None:
+            if prefetch:  # drawn ahead by the prefetch thread: wait off the event loop
+                return await asyncio.to_thread(next, batches, None)
             async with self._lock:
                 return next(batches, None)
 
@@ -356,11 +363,19 @@ class EpisodeReplayBuffer:
         gamma: float | None = None,
         strict: bool = True,
         layout: str | None = None,
+        prefetch: int = 0,
     ) -> ReplayDataset:
         """The sync buffer's :meth:`SyncEpisodeReplayBuffer.as_dataset`; iterate it on the event
-        loop's thread, or while no task uses the buffer."""
+        loop's thread, or while no task uses the buffer (a ``prefetch`` thread samples the sync
+        core under its thread lock, as every call of this facade does)."""
         return self._sync.as_dataset(
-            batch_size, n=n, seq_len=seq_len, gamma=gamma, strict=strict, layout=layout
+            batch_size,
+            n=n,
+            seq_len=seq_len,
+            gamma=gamma,
+            strict=strict,
+            layout=layout,
+            prefetch=prefetch,
         )
 
     # ----------------------------------------------------------------- lifecycle

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_gamma, check_n, positive_int
 from replaybuf.buffers.locking import synchronized
+from replaybuf.buffers.prefetch import check_depth, prefetching
 from replaybuf.core import epoch_batches, epoch_order
 from replaybuf.episodes import EpisodeCore
 from replaybuf.sampling import Paths, torchrl_transitions, with_priority_keys
@@ -29,6 +30,7 @@ class EpisodeEpochs:
     _core: EpisodeCore
     _generator: torch.Generator
     max_steps: int
+    device: torch.device
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
 
@@ -51,18 +53,23 @@ class EpisodeEpochs:
         shuffle: bool = True,
         drop_last: bool = False,
         layout: str | None = None,
+        prefetch: int = 0,
     ) -> Iterator[TensorDict]:
         """n-step batches; each epoch yields every step valid at its start exactly once.
 
         A step evicted after its epoch started is skipped (so a batch may come out short);
-        steps that become valid mid-epoch wait for the next epoch.
+        steps that become valid mid-epoch wait for the next epoch. ``prefetch=k`` builds the
+        next ``k`` batches on a background thread (the same batches; see
+        :mod:`replaybuf.buffers.prefetch`), whose ``close()`` stops it.
         """
         batch_size = positive_int(batch_size, "batch_size")
         n_epochs = positive_int(n_epochs, "n_epochs")
         n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
         torchrl = self._torchrl(layout)
+        check_depth(prefetch)
         self._require_steps("iterate")
-        return self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last, torchrl)
+        batches = self._epochs(batch_size, n_epochs, n, gamma, shuffle, drop_last, torchrl)
+        return prefetching(batches, prefetch, self._check_open, self.device)
 
     def _epochs(
         self,

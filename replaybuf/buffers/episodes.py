@@ -458,11 +458,12 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         gamma: float | None = None,
         strict: bool = True,
         layout: str | None = None,
+        prefetch: int = 0,
     ) -> ReplayDataset:
         """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
         n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
         ``sample_sequences(batch_size, seq_len, strict=strict)``, in ``layout`` (see
-        :mod:`replaybuf.buffers.dataset`)."""
+        :mod:`replaybuf.buffers.dataset`); ``prefetch=k`` draws ``k`` batches ahead on a thread."""
         batch_size = check_dataset_args(batch_size, strict)
         if layout is not None:
             check_layout(layout)
@@ -475,6 +476,9 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             gamma,
             strict,
             self.max_steps,
+            prefetch=prefetch,
+            check=self._check_open,
+            device=self.device,
         )
 
     @synchronized

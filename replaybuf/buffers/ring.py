@@ -336,12 +336,15 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         seq_len: int | None = None,
         gamma: float | None = None,
         strict: bool = True,
+        prefetch: int = 0,
     ) -> ReplayDataset:
         """An endless ``torch.utils.data.IterableDataset`` of ``sample_batch(batch_size)``
         batches; ``.loader()`` gives the ``DataLoader`` (see :mod:`replaybuf.buffers.dataset`).
-        ``n``, ``seq_len`` and ``gamma`` are refused: a ring of transitions has no episodes."""
+        ``n``, ``seq_len`` and ``gamma`` are refused: a ring of transitions has no episodes.
+        ``prefetch=k`` draws ``k`` batches ahead on a thread (:mod:`replaybuf.buffers.prefetch`)."""
         batch_size = check_dataset_args(batch_size, strict)
-        return transitions_dataset(self.sample_batch, batch_size, n, seq_len, gamma)
+        ahead = {"prefetch": prefetch, "check": self._check_open, "device": self.device}
+        return transitions_dataset(self.sample_batch, batch_size, n, seq_len, gamma, **ahead)
 
     @synchronized
     def update_priorities(self, index: Any, priority: Any) -> int:

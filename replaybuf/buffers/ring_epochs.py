@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 from replaybuf.args import int_at_least, positive_int
 from replaybuf.buffers.locking import synchronized
+from replaybuf.buffers.prefetch import Prefetcher, prefetching
 from replaybuf.core import epoch_batches, num_batches
 from replaybuf.errors import InvalidStateError
 from replaybuf.priority import Prioritizer, ring_keys
@@ -56,7 +57,13 @@ class RingEpochs:
     # ----------------------------------------------------------------- epochs
     @synchronized
     def create_epoch_iterator(
-        self, batch_size: int, n_epochs: int = 1, *, shuffle: bool = True, drop_last: bool = False
+        self,
+        batch_size: int,
+        n_epochs: int = 1,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        prefetch: int = 0,
     ) -> Iterator[TensorDict]:
         """Batches over ``n_epochs`` epochs; each visits every stored transition exactly once.
 
@@ -64,11 +71,14 @@ class RingEpochs:
         or oldest first with ``shuffle=False``); rows written meanwhile into a planned slot are
         served with their new contents. The iterator is also installed for
         :meth:`get_next_batch`. After ``reset()`` it raises ``RuntimeError`` instead of serving
-        rows that are no longer stored.
+        rows that are no longer stored. ``prefetch=k`` gathers the next ``k`` batches on a
+        background thread (the same batches; see :mod:`replaybuf.buffers.prefetch`), whose
+        ``close()`` stops it.
         """
         self._require(batch_size)
         n_epochs = int_at_least(n_epochs, "n_epochs", 1)
-        self._iterator = self._epochs(batch_size, n_epochs, shuffle, drop_last)
+        batches = self._epochs(batch_size, n_epochs, shuffle, drop_last)
+        self._iterator = prefetching(batches, prefetch, self._check_open, self.device)
         return self._iterator
 
     def _epochs(
@@ -125,7 +135,6 @@ class RingEpochs:
             return self._slots.gather(slice(first, first + count), self.device)
         return self._slots.gather(slots, self.device)
 
-    @synchronized
     def get_next_batch(self, batch_size: int) -> TensorDict:
         """The next batch of the installed epoch iterator, else a uniform random batch.
 
@@ -134,11 +143,20 @@ class RingEpochs:
         ``n_epochs=0`` mode).
         """
         positive_int(batch_size, "batch_size")
-        if self._iterator is not None:
-            try:
-                return next(self._iterator)
+        with self._lock:
+            iterator = self._iterator
+            if iterator is not None and not isinstance(iterator, Prefetcher):
+                try:
+                    return next(iterator)
+                except StopIteration:
+                    self._iterator = iterator = None
+        if iterator is not None:
+            try:  # a prefetcher: wait for its thread without holding the lock that thread takes
+                return next(iterator)
             except StopIteration:
-                self._iterator = None
+                with self._lock:
+                    if self._iterator is iterator:
+                        self._iterator = None
         return self.sample_batch(batch_size)
 
     def calculate_num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
