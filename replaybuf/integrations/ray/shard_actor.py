@@ -84,7 +84,11 @@ class _ShardActor(_BufferActor):
         """``(mass, valid steps, smallest priority weight, beta)`` for a draw of ``what``:
         ``"steps"`` (valid steps, or their priority total), ``"sequences"`` (strict starts of
         ``length`` steps, or their priority total) or ``"episodes"`` (stored episodes)."""
-        buffer = await self._ready()
+        return self._mass(await self._ready(), what, length)
+
+    def _mass(
+        self, buffer: EpisodeReplayBuffer, what: str, length: int
+    ) -> tuple[float, int, float, float]:
         sync = buffer.sync
         with sync._lock:
             core = sync._core
@@ -112,12 +116,16 @@ class _ShardActor(_BufferActor):
             return total, valid, smallest, beta
 
     async def draw(
-        self, request: tuple[str, tuple[Any, ...], dict[str, Any]]
-    ) -> tuple[PackedBatch, float]:
-        """A sample (``call``'s) and the smallest priority weight at that instant."""
-        result = await self.call(request)
-        priorities = self._live().sync._core.priorities
-        return result, math.inf if priorities is None else priorities.tree.min_positive()
+        self, request: tuple[str, tuple[Any, ...], dict[str, Any]], what: str, length: int
+    ) -> tuple[PackedBatch | None, tuple[float, int, float, float]]:
+        """A sample of ``request[1][0]`` rows (none where that is 0 or this shard has nothing
+        to draw from) and this shard's :meth:`mass` for ``what`` right after it (no other
+        call runs in between)."""
+        buffer = await self._ready()
+        result = None
+        if request[1][0] > 0 and self._mass(buffer, what, length)[0] > 0:
+            result = await self.call(request)
+        return result, self._mass(buffer, what, length)
 
 
 RemoteShardActor = ray.remote(_ShardActor)

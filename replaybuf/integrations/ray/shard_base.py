@@ -78,6 +78,9 @@ class ShardedBase:
         self._min_steps: int = min_steps
         self._closed: bool = closed
         self._max_steps: int = max_steps
+        # The masses each shard reported at the last sample, by (what, length): the next
+        # sample asks each shard for its share under them plus a margin.
+        self._masses: dict[tuple[str, int], list[float]] = {}
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle as the shard handles plus settings; the copy samples its own stream."""

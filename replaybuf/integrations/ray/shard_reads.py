@@ -27,6 +27,7 @@ from replaybuf.integrations.ray.packing import pack_value, unpack_batch
 from replaybuf.integrations.ray.shard_base import ShardedBase
 from replaybuf.integrations.ray.shard_calls import await_shard
 from replaybuf.integrations.ray.shard_routing import (
+    ask_counts,
     globalize,
     merge,
     rescale_weights,
@@ -115,10 +116,17 @@ class ShardedReads(ShardedBase):
         args: tuple[Any, ...],
         options: dict[str, Any],
     ) -> TensorDict:
-        """Split ``batch_size`` over the shards by their masses at one round trip, draw each
-        share in its shard at a second (in parallel), merge with ids and weights global."""
+        """One round trip to every shard: each draws a share of the batch and reports its
+        mass right after; the split is then drawn over those masses and each share cut from
+        what its shard drew (shares asked with a margin over the last split: a shard that drew
+        too few is asked for the rest, a second round trip that rarely happens)."""
         batch_size = positive_int(batch_size, "batch_size")
-        masses = await self._all(method, lambda a: a.mass.remote(what, length))
+        self._check_usable(method)
+        packed = {k: pack_value(v) for k, v in options.items()}
+        asks = ask_counts(batch_size, self._masses.get((what, length)), self.num_shards)
+        replies = await self._draws(method, what, length, asks, args, packed)
+        masses = [mass for _, mass in replies]
+        self._masses[what, length] = [m[0] for m in masses]
         have, need = sum(m[1] for m in masses), max(1, self._min_steps)
         verb = "sample" if method == "sample_n_step" else "sample sequences"
         if have < need:
@@ -130,29 +138,55 @@ class ShardedReads(ShardedBase):
                 f"cannot {verb}: no shard holds a step to draw"
                 + (f" ({length} consecutive steps)" if what == "sequences" else "")
             )
-        picks = [(s, c) for s, c in enumerate(counts) if c]
-        packed = {pack_value(k): pack_value(v) for k, v in options.items()}
-        results = await asyncio.gather(
-            *(
-                await_shard(
-                    s,
-                    self.num_shards,
-                    method,
-                    self._actors[s].draw.remote((method, (c, *args), packed)),
+        parts = [
+            None if got is None else unpack_batch(got, self._device, copy=False)
+            for got, _ in replies
+        ]
+        short = [
+            max(0, c - (0 if p is None else p.batch_size[0]))
+            for c, p in zip(counts, parts, strict=True)
+        ]
+        extra: list[Any] = [None] * self.num_shards
+        if any(short):  # the masses moved since the last split: draw the rest
+            more = await self._draws(method, what, length, short, args, packed)
+            masses += [mass for _, mass in more]
+            extra = [
+                None if got is None else unpack_batch(got, self._device, copy=False)
+                for got, _ in more
+            ]
+        smallest = min(m[2] for m in masses)
+        beta = masses[0][3]
+        pieces = []
+        for shard, (count, part) in enumerate(zip(counts, parts, strict=True)):
+            took = [] if part is None or not count else [part[:count]]
+            if short[shard] and extra[shard] is not None:
+                took.append(extra[shard])
+            for piece in took:
+                piece = globalize(piece, shard, self.num_shards)
+                pieces.append(rescale_weights(piece, masses[shard][2], smallest, beta))
+        batch = merge(pieces, self._rng)
+        return shard_batch(batch.clone() if len(pieces) == 1 else batch)
+
+    async def _draws(
+        self,
+        method: str,
+        what: str,
+        length: int,
+        counts: list[int],
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+    ) -> list[tuple[Any, tuple[float, int, float, float]]]:
+        """Every shard's ``draw`` of ``counts[k]`` rows (0: its mass only), in parallel."""
+        return list(
+            await asyncio.gather(
+                *(
+                    await_shard(
+                        s,
+                        self.num_shards,
+                        method,
+                        actor.draw.remote((method, (c, *args), options), what, length),
+                    )
+                    for s, (actor, c) in enumerate(zip(self._actors, counts, strict=True))
                 )
-                for s, c in picks
             )
         )
-        smallest = min([m[2] for m in masses] + [r[1] for r in results])
-        beta = masses[0][3]
-        copy = len(picks) == 1  # one part: its tensors are the batch, writable
-        parts = [
-            rescale_weights(
-                globalize(unpack_batch(got, self._device, copy=copy), s, self.num_shards),
-                shard_min,
-                smallest,
-                beta,
-            )
-            for (s, _), (got, shard_min) in zip(picks, results, strict=True)
-        ]
-        return shard_batch(merge(parts, self._rng))

@@ -11,6 +11,7 @@ and ``g // K`` the local id again.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -90,6 +91,23 @@ def split_draws(
         take = min(batch_size, int(counts.sum()))
         return [int(c) for c in rng.multivariate_hypergeometric(counts, take)]
     return [int(c) for c in rng.multinomial(batch_size, weights / total)]
+
+
+def ask_counts(batch_size: int, masses: Sequence[float] | None, num_shards: int) -> list[int]:
+    """How many rows to ask each shard for, before its mass now is known: its share under
+    the last masses seen plus 4 standard deviations and 8 (the whole batch when none were
+    seen, or for a shard that had nothing then), so that one round trip almost always
+    suffices."""
+    total = 0.0 if masses is None else float(sum(masses))
+    if masses is None or not total > 0:
+        return [batch_size] * num_shards
+    asks = []
+    for mass in masses:
+        p = mass / total
+        mean = batch_size * p
+        margin = 4 * math.sqrt(batch_size * p * (1 - p)) + 8
+        asks.append(min(batch_size, math.ceil(mean + margin)) if p > 0 else min(batch_size, 8))
+    return asks
 
 
 def globalize(batch: TensorDictBase, shard: int, num_shards: int) -> TensorDictBase:
