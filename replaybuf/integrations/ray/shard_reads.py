@@ -1,11 +1,12 @@
 """The sharded buffer's reads: samples split across shards, episodes, priorities.
 
 :class:`ShardedReads` is the sampling part of :class:`~replaybuf.integrations.ray.sharded.
-ShardedEpisodeReplayBuffer`. A sample takes two round trips: every shard's mass (valid steps,
-or its priority total; for strict sequences its qualifying starts), then each shard's share of
-the batch, drawn by a multinomial over the masses with the handle's generator (a multivariate
-hypergeometric without replacement). Each shard draws its share uniformly (or ∝ priority) over
-its own steps, so every step of the union is equally likely (or ∝ its priority).
+ShardedEpisodeReplayBuffer`. A sample is one round trip to every shard: each draws a share
+(its share under the last split, plus a margin) and reports its mass right after (valid steps,
+or its priority total; for strict sequences its qualifying starts). The split is then drawn over
+those masses, a multinomial with the handle's generator (a multivariate hypergeometric without
+replacement), and each share cut from its shard's draw. Each shard draws uniformly (or ∝
+priority) over its own steps, so every step of the union is equally likely (or ∝ its priority).
 """
 
 from __future__ import annotations
