@@ -16,7 +16,15 @@ are writable and owned by the caller). Tensors passed to ``append_*`` travel the
 Modules: :mod:`~replaybuf.integrations.ray.packing` (tensors and batches in transit),
 :mod:`~replaybuf.integrations.ray.portable` (errors that reach the client as their own class),
 :mod:`~replaybuf.integrations.ray.actor` (the buffer in the actor),
-:mod:`~replaybuf.integrations.ray.remote` (the client handle).
+:mod:`~replaybuf.integrations.ray.remote` (the client handle); the sharded buffer
+(:class:`ShardedEpisodeReplayBuffer`, K actors sampled as one):
+:mod:`~replaybuf.integrations.ray.sharded` (the handle's reads, create and open),
+:mod:`~replaybuf.integrations.ray.shard_base` (its calls, writes and lifecycle),
+:mod:`~replaybuf.integrations.ray.shard_actor` (a shard),
+:mod:`~replaybuf.integrations.ray.shard_routing` (ids and splits),
+:mod:`~replaybuf.integrations.ray.shard_epochs` (epochs),
+:mod:`~replaybuf.integrations.ray.shard_manifest` (its checkpoints),
+:mod:`~replaybuf.integrations.ray.shard_calls` (errors).
 
 Needs the ``ray`` extra: ``pip install 'replaybuf[ray]'``.
 """
@@ -30,5 +38,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from replaybuf.integrations.ray.packing import PackedArray, PackedBatch, pack_batch, unpack_batch
 from replaybuf.integrations.ray.remote import RemoteEpisodeReplayBuffer
+from replaybuf.integrations.ray.shard_calls import ShardUnavailableError
+from replaybuf.integrations.ray.sharded import ShardedEpisodeReplayBuffer
 
-__all__ = ["PackedArray", "PackedBatch", "RemoteEpisodeReplayBuffer", "pack_batch", "unpack_batch"]
+__all__ = [
+    "PackedArray",
+    "PackedBatch",
+    "RemoteEpisodeReplayBuffer",
+    "ShardUnavailableError",
+    "ShardedEpisodeReplayBuffer",
+    "pack_batch",
+    "unpack_batch",
+]
