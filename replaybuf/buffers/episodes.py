@@ -23,7 +23,6 @@ from tensordict import TensorDict
 from replaybuf.args import (
     NArg,
     check_gamma,
-    check_length,
     check_min_steps,
     check_n,
     check_seed,
@@ -56,7 +55,7 @@ from replaybuf.sampling import (
     torchrl_transitions,
 )
 from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
-from replaybuf.sampling.sequences import check_burn_in
+from replaybuf.sampling.sequences import check_sequence_args
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
 
 KIND = "EpisodeReplayBuffer"
@@ -357,21 +356,14 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         layout: str | None = None,
         burn_in: int = 0,
     ) -> TensorDict:
-        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
-
-        ``strict=True`` starts only where ``seq_len`` steps fit (uniform over such starts);
-        ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
-        ``burn_in=k``: ``[batch_size, k + seq_len]``, the k steps before each start first
-        (``is_burn_in`` True there; ``mask`` False before the episode's first step), drawn
-        as without them (:mod:`replaybuf.sampling.sequences`).
-        """
+        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each; ``strict``,
+        ``mask`` and ``burn_in``: see :mod:`replaybuf.sampling.sequences`."""
         batch_size = positive_int(batch_size, "batch_size")
-        seq_len = check_length(seq_len, "seq_len", self.max_steps)
-        burn_in = check_burn_in(burn_in, self.max_steps)
+        seq_len, burn_in = check_sequence_args(seq_len, burn_in, self.max_steps)
         torchrl = self._torchrl(layout)
         self._require_steps("sample sequences")
-        row_bytes = sequence_bytes(self.spec, burn_in + seq_len, self.frame_stack or 1)
-        self._ensure_fits(batch_size, row_bytes)
+        steps = burn_in + seq_len
+        self._ensure_fits(batch_size, sequence_bytes(self.spec, steps, self.frame_stack or 1))
         batch = self._chosen_paths().sequences(batch_size, seq_len, strict, burn_in)
         return torchrl_transitions(batch, None) if torchrl else batch
 

@@ -1,5 +1,9 @@
 """Sequence batches: ``[B, length]`` runs of consecutive steps of one episode each.
 
+A strict draw starts only where ``length`` steps fit (uniform over such starts, or by
+priority); otherwise a sequence starts at any valid step and is zero-padded past its episode's
+end, ``mask`` marking the real steps.
+
 With a burn-in of k steps (R2D2's recurrent-state warm-up) a batch is ``[B, k + length]``: the
 k steps before each sequence's start, then the sequence. The start is drawn exactly as without
 a burn-in; the steps before it are only added. Where they would reach before the episode's
@@ -18,7 +22,7 @@ from tensordict import TensorDict
 
 from replaybuf.accel.fused import Walk
 from replaybuf.accel.fused import sequences as fused_sequences
-from replaybuf.args import int_at_least
+from replaybuf.args import check_length, int_at_least
 from replaybuf.core import (
     END_TERMINATED,
     END_TRUNCATED,
@@ -219,9 +223,12 @@ def _walk(core: EpisodeView, start: torch.Tensor, length: int, full: bool) -> Wa
     )
 
 
-def check_burn_in(burn_in: Any, longest: int) -> int:
-    """A burn-in length in [0, ``longest``] (``max_steps``: no episode has more steps before
-    a start), else :class:`ArgumentTypeError` / :class:`ArgumentError` naming ``burn_in``."""
+def check_sequence_args(seq_len: Any, burn_in: Any, longest: int) -> tuple[int, int]:
+    """``seq_len`` in [1, ``longest``] and ``burn_in`` in [0, ``longest``] (``max_steps``: no
+    episode has more steps in a sequence, or before its start), else
+    :class:`~replaybuf.errors.ArgumentTypeError` / :class:`~replaybuf.errors.ArgumentError`
+    naming the argument."""
+    seq_len = check_length(seq_len, "seq_len", longest)
     burn_in = int_at_least(burn_in, "burn_in", 0)
     if burn_in > longest:
         raise ArgumentError(
@@ -229,7 +236,7 @@ def check_burn_in(burn_in: Any, longest: int) -> int:
             f"sequence's start), got {burn_in}",
             argument="burn_in",
         )
-    return burn_in
+    return seq_len, burn_in
 
 
 def with_burn_in(core: EpisodeView, walk: Walk, burn_in: int) -> tuple[Walk, torch.Tensor]:
