@@ -21,6 +21,7 @@ from episode_program import Program
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, TensorDictBase
+from test_cuda import PLACEMENTS, Arrived
 
 from replaybuf import (
     ArgumentError,
@@ -326,3 +327,47 @@ def test_the_asyncio_buffer_passes_burn_in_on(tmp_path):
     batch = asyncio.run(main())
     assert batch.batch_size == (3, 6)
     assert torch.equal(batch["mask"], batch["step"] >= 0)
+
+
+def rounds_with_graphs(program: Program) -> None:
+    """Rounds of appends and ends, each followed by sequence batches with and without a
+    burn-in (enough of the latter for graphs to capture them on CUDA storage)."""
+    for _ in range(3):
+        program.start("a")
+    for r in range(6):
+        program.append_batch([0, 1, 2], 4)
+        if r % 2:
+            program.end(r, "terminated")
+            program.start("a")
+        for strict in (True, False):
+            for _ in range(4):  # past the graphs' capture of the batches without one
+                program.buf.sample_sequences(6, 3, strict=strict)
+                batch = program.buf.sample_sequences(6, 3, strict=strict, burn_in=4)
+                expected_sequences(program.buf, batch, 4, 3)
+
+
+@pytest.mark.parametrize("frame_stack", [None, 2])
+def test_burn_in_between_appends_on_the_torch_index_path(tmp_path, frame_stack):
+    with mirrored():
+        buf = SyncEpisodeReplayBuffer(
+            40, 8, storage="tensor", scratch_dir=tmp_path, seed=0, frame_stack=frame_stack
+        )
+    with buf:
+        rounds_with_graphs(Program(buf))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@pytest.mark.parametrize(("device", "storing", "storage"), PLACEMENTS)
+def test_burn_in_on_cuda_agrees_with_the_stored_episodes(
+    tmp_path, device, storing, storage, frame_stack
+):
+    """On CUDA storage (the fused walk, graphs captured for the batches without a burn-in)
+    and between the CPU and a GPU; every batch arrives on ``device``."""
+    buf = SyncEpisodeReplayBuffer(
+        40, 8, device=device, storing_device=storing, storage=storage, scratch_dir=tmp_path,
+        seed=0, frame_stack=frame_stack,
+    )  # fmt: skip
+    with buf:
+        rounds_with_graphs(Program(Arrived(buf)))  # type: ignore[arg-type]
