@@ -27,6 +27,14 @@ they stood in). Episodes still running at the end are ended ``truncated`` (boots
 their last observation), so every stored step is sampleable; the same happens, best effort,
 when ``collect`` is interrupted. Rewards are stored as float32. Each call starts with
 ``envs.reset(seed=seed)``.
+
+Actions are taken as gymnasium's spaces take them and stored in the action space's dtype: a
+numpy array, a tensor (on any device) or a list of numbers, 0-d arrays or 0-d tensors. For a
+``Box`` any dtype that casts to the space's ``same_kind`` (float64 or integers for a float32
+Box) is cast, where every value is representable; values outside the bounds pass, as the env
+gets them (most clip). For ``Discrete`` and ``MultiDiscrete`` any integer dtype is cast to the
+space's; floats and bools are refused, as gymnasium refuses them. Other spaces' actions are
+stored as the policy gives them.
 """
 
 from __future__ import annotations
@@ -158,12 +166,9 @@ class _Run:
     def _act(self, first: bool = False) -> Any:
         """The policy's actions for the current observations, checked."""
         inputs = _as_torch(self.observations) if self.torch_policy else self.observations
-        actions = self.policy(inputs)
-        if isinstance(actions, torch.Tensor):
-            actions = actions.detach().cpu()
-        elif not isinstance(actions, np.ndarray):
-            actions = np.asarray(actions)
-        _check_actions(actions, self.envs.single_action_space, self.num_envs, first)
+        space = self.envs.single_action_space
+        actions = _as_space_dtype(_host_array(self.policy(inputs)), space)
+        _check_actions(actions, space, self.num_envs, first)
         return actions
 
     # ----------------------------------------------------------------- the loop
@@ -171,8 +176,7 @@ class _Run:
         """One vector step; stores at most ``room`` transitions and returns how many."""
         actions = self.actions if self.actions is not None else self._act()
         self.actions = None
-        env_actions = actions.numpy() if isinstance(actions, torch.Tensor) else actions
-        observations, rewards, terminated, truncated, infos = self.envs.step(env_actions)
+        observations, rewards, terminated, truncated, infos = self.envs.step(actions)
         self.vector_steps += 1
         real = ~self.resetting
         keep = real & (np.cumsum(real) <= room)
@@ -291,8 +295,81 @@ def _check_observations(observations: Any, num_envs: int) -> None:
             )
 
 
-def _check_actions(actions: Any, space: Any, num_envs: int, first: bool) -> None:
-    """Actions ``[num_envs, *space.shape]``; on the first call each must lie in ``space``."""
+def _host_array(actions: Any) -> np.ndarray:
+    """A policy's action batch as a numpy array: tensors (also inside a list) on the host."""
+    if isinstance(actions, torch.Tensor):
+        return _tensor_array(actions)
+    if isinstance(actions, (list, tuple)):
+        actions = [_tensor_array(a) if isinstance(a, torch.Tensor) else a for a in actions]
+    try:
+        return np.asarray(actions)
+    except (TypeError, ValueError) as error:  # a ragged list, say
+        raise ArgumentError(
+            f"{WHAT}: policy actions expected an array, a tensor or a list of numbers, got "
+            f"{type(actions).__name__} ({error})"
+        ) from None
+
+
+def _tensor_array(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.float()  # dtypes numpy has not
+    return tensor.numpy()
+
+
+def _as_space_dtype(actions: np.ndarray, space: Any) -> np.ndarray:
+    """``actions`` in ``space``'s dtype, cast as its gymnasium space takes them (see the module
+    docstring), else :class:`ArgumentError` naming the actions' dtype and the space."""
+    kind = _space_kind(space)
+    if kind is None or actions.dtype == space.dtype:
+        return actions
+    if kind == "box":
+        castable = np.can_cast(actions.dtype, space.dtype, "same_kind")
+        need = f"a dtype that casts to {space.dtype} (same kind)"
+    else:
+        castable = actions.dtype.kind in "iu"
+        need = "an integer dtype (gymnasium refuses other actions for it)"
+    if not castable:
+        raise ArgumentError(
+            f"{WHAT}: policy actions for the action space {space} expected {need}, got "
+            f"dtype {actions.dtype}"
+        )
+    with np.errstate(over="ignore"):  # an overflow is refused below
+        cast = actions.astype(space.dtype)
+    if not _represented(actions, cast):
+        raise ArgumentError(
+            f"{WHAT}: policy actions for the action space {space} hold values that "
+            f"{space.dtype} cannot represent, got {actions!r} (dtype {actions.dtype})"
+        )
+    return cast
+
+
+def _space_kind(space: Any) -> str | None:
+    """``"box"`` or ``"discrete"`` (Discrete, MultiDiscrete) for the spaces whose actions are
+    cast; None for others (and without gymnasium)."""
+    try:
+        from gymnasium import spaces
+    except ImportError:
+        return None
+    if isinstance(space, spaces.Box):
+        return "box"
+    return "discrete" if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)) else None
+
+
+def _represented(values: np.ndarray, cast: np.ndarray) -> bool:
+    """Whether a same-kind cast kept every value: no finite value became infinite (floats),
+    none wrapped around (integers)."""
+    if cast.dtype.kind == "f":
+        return bool(np.all(np.isfinite(cast) | ~np.isfinite(values)))
+    if cast.dtype.kind in "iu" and values.size:
+        info = np.iinfo(cast.dtype)
+        return info.min <= int(values.min()) and int(values.max()) <= info.max
+    return True
+
+
+def _check_actions(actions: np.ndarray, space: Any, num_envs: int, first: bool) -> None:
+    """Actions ``[num_envs, *space.shape]``; on the first call each must lie in ``space``
+    (a Box's bounds excepted: the env gets them as they are, as gymnasium passes them)."""
     shape = tuple(actions.shape)
     expected = (num_envs, *(space.shape or ()))
     if shape != expected:
@@ -300,14 +377,13 @@ def _check_actions(actions: Any, space: Any, num_envs: int, first: bool) -> None
             f"{WHAT}: policy actions expected shape {list(expected)} (num_envs and the "
             f"action space {space}), got {list(shape)}"
         )
-    if not first:
+    if not first or _space_kind(space) == "box":
         return
-    values = actions.numpy() if isinstance(actions, torch.Tensor) else actions
     for i in range(num_envs):
-        if not space.contains(values[i]):
+        if not space.contains(actions[i]):
             raise ArgumentError(
                 f"{WHAT}: policy action for env {i} expected to lie in the action space "
-                f"{space}, got {values[i]!r} (dtype {values.dtype})"
+                f"{space}, got {actions[i]!r} (dtype {actions.dtype})"
             )
 
 
@@ -342,10 +418,9 @@ def _as_torch(tree: Any) -> Any:
 
 def _step_rows(observations: Any, actions: Any, rewards: np.ndarray, rows: np.ndarray) -> dict:
     """The ``append_batch`` fields of sub-environments ``rows``."""
-    take = torch.as_tensor(rows) if isinstance(actions, torch.Tensor) else rows
     return {
         "observation": _map(lambda a: a[rows], observations),
-        "action": actions[take],
+        "action": actions[rows],
         "reward": np.asarray(rewards, dtype=np.float32)[rows],
     }
 

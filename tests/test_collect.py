@@ -196,7 +196,10 @@ def unchanged(buf: SyncEpisodeReplayBuffer, before: dict) -> bool:
     [
         (lambda obs: np.zeros(2, dtype=np.int64), r"policy actions expected shape \[3\]"),
         (lambda obs: np.full(3, 5), "policy action for env 0 expected to lie in the action"),
-        (lambda obs: np.zeros(3, dtype=np.float32), "expected to lie in the action space"),
+        (lambda obs: np.zeros(3, dtype=np.float32), "Discrete.* expected an integer dtype"),
+        (lambda obs: np.zeros(3, dtype=bool), "Discrete.* expected an integer dtype"),
+        (lambda obs: [[0, 1]] * 3, r"policy actions expected shape \[3\]"),
+        (lambda obs: [0, [1, 2], 0], "expected an array, a tensor or a list of numbers"),
     ],
 )
 def test_a_policy_not_matching_the_action_space_writes_nothing(buffer, policy, match):
@@ -244,3 +247,115 @@ def test_bad_arguments(buffer, make_buffer):
         collect(envs, random_policy(), buffer, 0)
     envs.close()
     assert buffer.stats()["episodes"] == 0
+
+
+# ----------------------------------------------------------------- actions as spaces take them
+def collected_actions(buf: SyncEpisodeReplayBuffer) -> torch.Tensor:
+    """Every stored action, episode by episode."""
+    return torch.cat([r["action"] for r in buf.sample_episodes(10_000)])
+
+
+VALUE = 0.1234567890123  # not a float32: stored as float32(VALUE)
+
+
+def pendulums(num_envs: int = 2):
+    return gym.make_vec("Pendulum-v1", num_envs=num_envs, vectorization_mode="sync")
+
+
+BFLOAT16_VALUE = float(torch.tensor(0.1234567890123, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("make", "stored"),
+    [
+        pytest.param(lambda n, v: np.full((n, 1), v, dtype=np.float64), VALUE, id="float64-array"),
+        pytest.param(lambda n, v: torch.full((n, 1), v, dtype=torch.float64), VALUE, id="tensor"),
+        pytest.param(lambda n, v: [[v]] * n, VALUE, id="list-of-floats"),
+        pytest.param(lambda n, v: [np.array([v])] * n, VALUE, id="list-of-arrays"),
+        pytest.param(
+            lambda n, v: torch.full((n, 1), v, dtype=torch.bfloat16), BFLOAT16_VALUE, id="bf16"
+        ),
+    ],
+)
+def test_box_actions_of_another_float_dtype_are_cast_to_the_space(buffer, make, stored):
+    envs = pendulums()
+    stats = collect(envs, lambda obs: make(len(obs), VALUE), buffer, 30)
+    envs.close()
+    assert stats["steps"] == 30
+    assert buffer.spec[("action",)].dtype == torch.float32
+    assert torch.equal(collected_actions(buffer), torch.full((30, 1), np.float32(stored)))
+
+
+def test_box_actions_of_integers_and_out_of_bounds_pass_as_the_env_takes_them(buffer):
+    envs = pendulums()  # Box(-2, 2): Pendulum clips the torque itself
+    collect(envs, lambda obs: np.full((len(obs), 1), 5, dtype=np.int64), buffer, 10)
+    envs.close()
+    assert torch.equal(collected_actions(buffer), torch.full((10, 1), 5.0))
+
+
+@pytest.mark.parametrize(
+    ("policy", "match"),
+    [
+        (lambda obs: np.full((2, 1), 1e300), "float32 cannot represent"),
+        (lambda obs: np.zeros((2, 1), dtype=np.complex64), "expected a dtype that casts"),
+        (lambda obs: np.zeros(2), r"expected shape \[2, 1\]"),
+    ],
+)
+def test_box_actions_the_env_would_refuse_write_nothing(buffer, policy, match):
+    envs = pendulums()
+    with pytest.raises(ValueError, match=f"collect: policy actions.*{match}"):
+        collect(envs, policy, buffer, 10)
+    envs.close()
+    assert buffer.stats()["episodes"] == 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda n: np.ones(n, dtype=np.int32), id="int32"),
+        pytest.param(lambda n: np.ones(n, dtype=np.uint8), id="uint8"),
+        pytest.param(lambda n: torch.ones(n, dtype=torch.int32), id="int32-tensor"),
+        pytest.param(lambda n: [1] * n, id="python-ints"),
+        pytest.param(lambda n: [np.array(1, dtype=np.int16)] * n, id="0-d-arrays"),
+        pytest.param(lambda n: [torch.tensor(1, dtype=torch.int8)] * n, id="0-d-tensors"),
+    ],
+)
+def test_discrete_actions_of_any_integer_dtype_are_stored_as_the_space_dtype(buffer, make):
+    log: list = []
+    envs = make_envs(log)
+    collect(envs, lambda obs: make(len(obs)), buffer, 30)
+    envs.close()
+    assert buffer.spec[("action",)].dtype == torch.int64  # Discrete's dtype
+    assert torch.equal(collected_actions(buffer), torch.ones(30, dtype=torch.int64))
+    assert {a for r in log for e in r.episodes for a in e["action"]} == {1}
+
+
+class Grid(gym.Env):
+    """A MultiDiscrete-action env: the reward is the action's sum; 4 steps an episode."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.MultiDiscrete([3, 4])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(np.asarray(action)), action
+        self.t += 1
+        return np.full(2, self.t / 4, np.float32), float(np.sum(action)), self.t == 4, False, {}
+
+
+def test_multi_discrete_actions_of_another_integer_dtype_are_cast(buffer):
+    envs = gym.vector.SyncVectorEnv([Grid, Grid])
+    stats = collect(envs, lambda obs: np.tile(np.array([2, 3], np.int32), (len(obs), 1)), buffer, 8)
+    assert stats["returns"] == [20.0, 20.0]
+    assert buffer.spec[("action",)].dtype == torch.int64
+    assert torch.equal(collected_actions(buffer), torch.tensor([[2, 3]] * 8))
+    with pytest.raises(ValueError, match="policy action for env 0 expected to lie in"):
+        collect(envs, lambda obs: np.tile(np.array([3, 0], np.int8), (len(obs), 1)), buffer, 8)
+    with pytest.raises(ValueError, match=r"MultiDiscrete.* expected an integer dtype"):
+        collect(envs, lambda obs: np.ones((len(obs), 2)), buffer, 8)
+    envs.close()
+    assert buffer.stats()["steps"] == 8

@@ -588,3 +588,32 @@ def test_replays_on_two_streams_share_the_draw_round_in_order():
         buf.sample_sequences(8, 4, strict=False)
         torch.cuda.synchronize()
         assert buf._draws.made.round() == rounds_now + 2  # every replay drew its own round
+
+
+@INTERPRETED
+@pytest.mark.parametrize("frame_stack", [None, 3])
+def test_burn_in_batches_leave_the_graphs_for_the_fused_walk(frame_stack):
+    """A burn-in is never graphed: with graphs captured, a burn-in batch comes from the general
+    path, whose fused kernel walks the draw, and agrees with the stored episodes."""
+    from test_burn_in import expected_sequences
+
+    with stand_in_graphs():
+        buf = SyncEpisodeReplayBuffer(
+            60, device="cpu", storing_device="cpu", storage="tensor", seed=0,
+            frame_stack=frame_stack,
+        )  # fmt: skip
+        p = Program(buf)
+        with buf:
+            rounds(p, 3)
+            keys = graph_keys(p)
+            assert ("sequences", 6, 4, True) in keys
+            replays = sum(e.graph.replays for e in buf._draws.made._entries.values())
+            walks = mock.patch("replaybuf.sampling.draws.fused_sequences", wraps=fused.sequences)
+            with walks as walked:
+                for strict in (True, False):
+                    for _ in range(CAPTURE_AT + 1):
+                        batch = buf.sample_sequences(6, 4, strict=strict, burn_in=3)
+                        expected_sequences(buf, batch, 3, 4)
+            assert walked.call_count == 2 * (CAPTURE_AT + 1)
+            assert graph_keys(p) == keys
+            assert sum(e.graph.replays for e in buf._draws.made._entries.values()) == replays

@@ -257,10 +257,21 @@ class EpisodeReplayBuffer:
         )
 
     async def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
+        self,
+        batch_size: int,
+        seq_len: int,
+        *,
+        strict: bool = True,
+        layout: str | None = None,
+        burn_in: int = 0,
     ) -> TensorDict:
         return await self._call(
-            self._sync.sample_sequences, batch_size, seq_len, strict=strict, layout=layout
+            self._sync.sample_sequences,
+            batch_size,
+            seq_len,
+            strict=strict,
+            layout=layout,
+            burn_in=burn_in,
         )
 
     async def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:

@@ -1,4 +1,5 @@
-"""An episode buffer's epochs: every step valid at an epoch's start, once, as n-step batches.
+"""An episode buffer's epochs (every step valid at an epoch's start, once, as n-step batches)
+and its endless dataset.
 
 A part of :class:`~replaybuf.buffers.episodes.SyncEpisodeReplayBuffer` (which inherits it),
 kept apart so that each module holds one concern. Each epoch is planned from the anchors
@@ -8,18 +9,20 @@ is handed over, so writers and other threads go on between batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_gamma, check_n, positive_int
+from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.prefetch import check_depth, prefetching
 from replaybuf.core import epoch_batches, epoch_order
 from replaybuf.episodes import EpisodeCore
-from replaybuf.sampling import Paths, torchrl_transitions, with_priority_keys
+from replaybuf.sampling import Paths, check_layout, torchrl_transitions, with_priority_keys
 
 
 class EpisodeEpochs:
@@ -31,6 +34,8 @@ class EpisodeEpochs:
     _generator: torch.Generator
     max_steps: int
     device: torch.device
+    sample_n_step: Callable[..., TensorDict]
+    sample_sequences: Callable[..., TensorDict]
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
 
@@ -115,3 +120,35 @@ class EpisodeEpochs:
         start = start[still]
         batch = self._chosen_paths().builder.batch(start, n, gamma, self._generator)
         return with_priority_keys(core, batch, start, None)
+
+    def as_dataset(
+        self,
+        batch_size: int,
+        *,
+        n: NArg | None = None,
+        seq_len: int | None = None,
+        gamma: float | None = None,
+        strict: bool = True,
+        layout: str | None = None,
+        prefetch: int = 0,
+    ) -> ReplayDataset:
+        """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
+        n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
+        ``sample_sequences(batch_size, seq_len, strict=strict)``, in ``layout`` (see
+        :mod:`replaybuf.buffers.dataset`); ``prefetch=k`` draws ``k`` batches ahead on a thread."""
+        batch_size = check_dataset_args(batch_size, strict)
+        if layout is not None:
+            check_layout(layout)
+        return episodes_dataset(
+            functools.partial(self.sample_n_step, layout=layout),
+            functools.partial(self.sample_sequences, layout=layout),
+            batch_size,
+            n,
+            seq_len,
+            gamma,
+            strict,
+            self.max_steps,
+            prefetch=prefetch,
+            check=self._check_open,
+            device=self.device,
+        )

@@ -9,7 +9,6 @@ buffer unchanged, under the buffer's lock, so threads may share it
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -28,7 +27,6 @@ from replaybuf.args import (
     check_seed,
     positive_int,
 )
-from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, episodes_dataset
 from replaybuf.buffers.episode_epochs import EpisodeEpochs
 from replaybuf.buffers.episode_state import EpisodePersistence
 from replaybuf.buffers.locking import synchronized
@@ -55,6 +53,7 @@ from replaybuf.sampling import (
     torchrl_transitions,
 )
 from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
+from replaybuf.sampling.sequences import check_sequence_args
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
 
 KIND = "EpisodeReplayBuffer"
@@ -351,23 +350,24 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
 
     @synchronized
     def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
+        self,
+        batch_size: int,
+        seq_len: int,
+        *,
+        strict: bool = True,
+        layout: str | None = None,
+        burn_in: int = 0,
     ) -> TensorDict:
-        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each.
-
-        ``strict=True`` starts only where ``seq_len`` steps fit (uniform over such starts);
-        ``strict=False`` starts at any valid step and zero-pads, ``mask`` marking real steps.
-        """
+        """``[batch_size, seq_len]`` runs of consecutive steps of one episode each; ``strict``,
+        ``mask`` and ``burn_in``: see :mod:`replaybuf.sampling.sequences`."""
         batch_size = positive_int(batch_size, "batch_size")
-        seq_len = positive_int(seq_len, "seq_len")  # any length: the batch's memory is checked
+        seq_len, burn_in = check_sequence_args(seq_len, burn_in, self.max_steps)
         torchrl = self._torchrl(layout)
         self._require_steps("sample sequences")
-        self._ensure_fits(
-            batch_size,
-            sequence_bytes(self.spec, seq_len, self.frame_stack or 1),
-            f"batch of sequences of seq_len={seq_len:,}",
-        )
-        batch = self._chosen_paths().sequences(batch_size, seq_len, strict)
+        steps = burn_in + seq_len
+        what = f"batch of sequences of {steps:,} steps"
+        self._ensure_fits(batch_size, sequence_bytes(self.spec, steps, self.frame_stack or 1), what)
+        batch = self._chosen_paths().sequences(batch_size, seq_len, strict, burn_in)
         return torchrl_transitions(batch, None) if torchrl else batch
 
     @synchronized
@@ -448,38 +448,6 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             "frame_stack": self.frame_stack,
         }
         return {**core_stats(self._core), **config}
-
-    def as_dataset(
-        self,
-        batch_size: int,
-        *,
-        n: NArg | None = None,
-        seq_len: int | None = None,
-        gamma: float | None = None,
-        strict: bool = True,
-        layout: str | None = None,
-        prefetch: int = 0,
-    ) -> ReplayDataset:
-        """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
-        n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
-        ``sample_sequences(batch_size, seq_len, strict=strict)``, in ``layout`` (see
-        :mod:`replaybuf.buffers.dataset`); ``prefetch=k`` draws ``k`` batches ahead on a thread."""
-        batch_size = check_dataset_args(batch_size, strict)
-        if layout is not None:
-            check_layout(layout)
-        return episodes_dataset(
-            functools.partial(self.sample_n_step, layout=layout),
-            functools.partial(self.sample_sequences, layout=layout),
-            batch_size,
-            n,
-            seq_len,
-            gamma,
-            strict,
-            self.max_steps,
-            prefetch=prefetch,
-            check=self._check_open,
-            device=self.device,
-        )
 
     @synchronized
     def episode_ids(self) -> list[int]:

@@ -47,11 +47,17 @@ def stacked_observations_at(
 
 
 def stacked_observations(
-    core: EpisodeView, start: torch.Tensor, obs_rows: torch.Tensor, device: torch.device
+    core: EpisodeView,
+    start: torch.Tensor,
+    obs_rows: torch.Tensor,
+    device: torch.device,
+    present: torch.Tensor | None = None,
 ) -> TensorDictBase:
     """The observations at ``obs_rows [B, P]`` (consecutive rows of one episode each, from
     ``start [B]``) as a TensorDict ``[B, P]`` on ``device``; leaves ``[B, P, k, *field]`` with
-    frame stacking, cut from one gathered window of k-1+P frames per row."""
+    frame stacking, cut from one gathered window of k-1+P frames per row. ``present [B, P]``:
+    False where a row only repeats the next one (a burn-in before the episode's first step),
+    so that the stacks after it take it as padding."""
     keys = keys_of(core, "observation")
     batch, length = obs_rows.shape
     k = core.frame_stack
@@ -66,6 +72,8 @@ def stacked_observations(
         window, real = torch.from_numpy(window), torch.from_numpy(real)
     frames = core.slots.gather(window.reshape(-1), device, keys).reshape(window.shape)
     real = real.to(device)
+    if present is not None:
+        real = torch.cat([real[:, : k - 1], real[:, k - 1 :] & present.to(device)], 1)
 
     def cut(value: torch.Tensor) -> torch.Tensor:  # [B, k - 1 + P, *f] -> [B, P, k, *f]
         return zero_padding(core, value, real).unfold(1, k, 1).movedim(-1, 2)

@@ -12,6 +12,7 @@ reference that each fast path is tested against (the same batches for the same s
                                  device draws looked up inside the fused kernel
                   GeneralNStep   everything else: prioritized, no replacement, random n ...
     sequences     DeviceSequences  storage off the CPU, uniform: a CUDA graph's replay first
+                                   (no burn-in: the general path takes those)
                   GeneralSequences
 
 Inside a path, the window math (numba, numpy, Triton or torch) is the one
@@ -42,9 +43,9 @@ _KEY = "sampling.paths"  # its token in SlotStorage.derived (emptied when the co
 
 
 class SequencePath(Protocol):
-    """A sequence path: ``[batch_size, length]`` runs of steps."""
+    """A sequence path: ``[batch_size, burn_in + length]`` runs of steps."""
 
-    def __call__(self, batch_size: int, length: int, strict: bool) -> TensorDict: ...
+    def __call__(self, batch_size: int, length: int, strict: bool, burn_in: int) -> TensorDict: ...
 
 
 class GeneralNStep:
@@ -104,29 +105,33 @@ class GeneralSequences:
         self.generator = generator
         self.draws = draws  # the device draws, for the fused kernel's draws (storage off CPU)
 
-    def __call__(self, batch_size: int, length: int, strict: bool) -> TensorDict:
+    def __call__(self, batch_size: int, length: int, strict: bool, burn_in: int) -> TensorDict:
         core, generator, draws = self.core, self.generator, self.draws
         draw = None if draws is None else lambda shape: draws.places(core, shape, generator)
         start, weight, walk = draw_sequences(core, batch_size, length, strict, generator, draw)
-        batch = sequence_batch(core, start, length, self.device, walk, full=strict)
+        batch = sequence_batch(core, start, length, self.device, walk, strict, burn_in)
         return with_priority_keys(core, batch, start, weight)
 
 
 class DeviceSequences:
-    """Uniform sequences from storage off the CPU: a graph's replay first."""
+    """Uniform sequences from storage off the CPU: a graph's replay first. A burn-in is not
+    graphed (the steps before a start may be read on the host): the general path, whose draws
+    are the graph's, takes it."""
 
     def __init__(self, general: GeneralSequences, draws: DeviceDraws) -> None:
         self.general = general
         self.draws = draws
 
-    def __call__(self, batch_size: int, length: int, strict: bool) -> TensorDict:
+    def __call__(self, batch_size: int, length: int, strict: bool, burn_in: int) -> TensorDict:
         general = self.general
+        if burn_in:
+            return general(batch_size, length, strict, burn_in)
         graphed = graphed_sequences(
             general.core, self.draws.graphs, batch_size, length, strict, general.device
         )
         if graphed is not None:
             return graphed
-        return general(batch_size, length, strict)
+        return general(batch_size, length, strict, burn_in)
 
 
 @dataclass(frozen=True)

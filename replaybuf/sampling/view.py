@@ -7,12 +7,13 @@ the core's, under the buffer's lock). :class:`~replaybuf.episodes.EpisodeCore` s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
-from replaybuf.episodes import AnchorSet, RowLinks
+from replaybuf.episodes import AnchorSet, Episode, RowLinks
 from replaybuf.priority import Prioritizer
 from replaybuf.storage import SlotStorage
 
@@ -31,6 +32,9 @@ class EpisodeView(Protocol):
 
     @property
     def priorities(self) -> Prioritizer | None: ...
+
+    @property
+    def episodes(self) -> Mapping[int, Episode]: ...  # the stored episodes by id: their rows
 
     @property
     def kernels(self) -> ModuleType | None: ...  # the numba kernels, on CPU storage
