@@ -15,7 +15,6 @@ a worker, SIGKILLs it, runs it again and checks the curves agree number for numb
 import argparse
 import copy
 import dataclasses
-import logging
 import os
 import re
 import shutil
@@ -308,7 +307,6 @@ def drive(args: Args) -> None:
 if __name__ == "__main__":
     args = parse_args()
     if args.role == "worker":
-        logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation line
         torch.set_num_threads(1)  # the fastest for these small networks
         train(args)
     else:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import copy
 import dataclasses
-import logging
 import time
 from pathlib import Path
 
@@ -241,7 +240,6 @@ def plot(args: Args, curve: list, episodes: list, path: Path) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
     torch.set_num_threads(1)  # the fastest for these small networks
     curve, episodes = asyncio.run(train(args))
     out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent

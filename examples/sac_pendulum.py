@@ -12,7 +12,6 @@ ends". Batches: ``sample_n_step`` on ``device`` (rows on the CPU), or ``iterate_
 import argparse
 import copy
 import dataclasses
-import logging
 import math
 import time
 from pathlib import Path
@@ -183,7 +182,6 @@ def plot(args: Args, curve: list, episodes: list, path: Path) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its storage-allocation INFO line
     torch.set_num_threads(1)  # the fastest for these small networks
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

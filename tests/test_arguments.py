@@ -138,11 +138,15 @@ def test_runaway_n_step_calls_are_refused_by_name(eight_gib_free):
     refused(lambda: buf.sample_n_step(2**62), InsufficientSpaceError, "batch_size=")
     refused(lambda: buf.sample_n_step(2**63), ArgumentError, "batch_size", "int64")
     refused(lambda: buf.sample_sequences(2, 17), EmptyBufferError, "17 consecutive steps")
-    refused(lambda: buf.sample_sequences(2, 10**9), InsufficientSpaceError, "sequences of 1,000,000,000 steps")
+    refused(
+        lambda: buf.sample_sequences(2, 10**9), InsufficientSpaceError, "of 1,000,000,000 steps"
+    )
     refused(lambda: buf.sample_sequences(10**9, 4), InsufficientSpaceError, "batch_size=")
     refused(lambda: buf.sample_episodes(10**9, replace=True), InsufficientSpaceError, "batch_size=")
     refused(
-        lambda: next(iter(buf.as_dataset(4, seq_len=10**9))), InsufficientSpaceError, "sequences of 1,000,000,000 steps"
+        lambda: next(iter(buf.as_dataset(4, seq_len=10**9))),
+        InsufficientSpaceError,
+        "of 1,000,000,000 steps",
     )
     # Nothing stored changed, and the generator drew nothing: the next batch is the twin's.
     assert all(same(a, buf.get_episode(e)) for a, e in zip(before, buf.episode_ids(), strict=True))

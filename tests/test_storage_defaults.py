@@ -49,12 +49,14 @@ class Records(logging.Handler):
 @pytest.fixture
 def torchrl_records():
     logger = logging.getLogger("torchrl")
-    handler = Records()
+    handler, level = Records(), logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # TorchRL's own level (another module may have raised it)
     try:
         yield handler.messages
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _first_steps(buf: SyncEpisodeReplayBuffer) -> None:
