@@ -329,6 +329,39 @@ def test_the_asyncio_buffer_passes_burn_in_on(tmp_path):
     assert torch.equal(batch["mask"], batch["step"] >= 0)
 
 
+def test_datasets_pass_burn_in_on(make_episode_buffer):
+    buf = make_episode_buffer(50, seed=5)
+    program = Program(buf)
+    for _ in range(3):
+        program.append(0, 6)
+        program.end(0, "truncated")
+    generator = buf._generator
+    before = generator.get_state().clone()
+    batch = next(iter(buf.as_dataset(8, seq_len=3, strict=False, burn_in=2)))
+    generator.set_state(before)
+    assert (batch == buf.sample_sequences(8, 3, strict=False, burn_in=2)).all()
+    assert batch.batch_size == (8, 5)
+    with pytest.raises(ArgumentError, match="burn_in applies to sequences") as info:
+        buf.as_dataset(8, burn_in=2)
+    assert info.value.argument == "burn_in"
+    with pytest.raises(ArgumentError, match="burn_in must be <= 50"):
+        buf.as_dataset(8, seq_len=3, burn_in=51)
+
+
+def test_the_asyncio_buffers_dataset_passes_burn_in_on(tmp_path):
+    async def main() -> TensorDictBase:
+        async with EpisodeReplayBuffer(40, scratch_dir=tmp_path, seed=0) as buf:
+            ep = await buf.start_episode()
+            for t in range(5):
+                await buf.append_observation_action_reward(ep, torch.tensor([float(t)]), t, 1.0)
+            await buf.end_episode(ep, "truncated", torch.tensor([5.0]))
+            return next(iter(buf.as_dataset(3, seq_len=2, burn_in=4)))
+
+    batch = asyncio.run(main())
+    assert batch.batch_size == (3, 6)
+    assert batch["is_burn_in"][:, :4].all()
+
+
 def rounds_with_graphs(program: Program) -> None:
     """Rounds of appends and ends, each followed by sequence batches with and without a
     burn-in (enough of the latter for graphs to capture them on CUDA storage)."""

@@ -135,6 +135,16 @@ async def test_collectors_write_while_a_learner_samples_then_epochs_and_checkpoi
             assert windows["episode_id"][row, 0] == ids[int(writer), int(episode)]
             steps = [action(int(writer), int(episode), int(t0) + t) for t in range(3)]
             assert windows["action"][row].tolist() == steps
+        warmed = await buf.sample_sequences(16, 3, burn_in=2)  # 2 steps before each start
+        assert warmed.batch_size == (16, 5)
+        assert warmed["is_burn_in"].tolist() == [[True, True, False, False, False]] * 16
+        for row in range(16):
+            writer, episode, t0, _ = warmed["observation"][row, 2].tolist()
+            for j in range(5):
+                t = int(t0) + j - 2
+                assert bool(warmed["mask"][row, j]) == (t >= 0)
+                if t >= 0:
+                    assert warmed["action"][row, j] == action(int(writer), int(episode), t)
 
         # Epochs: each step exactly once per epoch, shuffled across shards, batches full.
         seen: Counter = Counter()

@@ -375,6 +375,7 @@ class EpisodeReplayBuffer:
         strict: bool = True,
         layout: str | None = None,
         prefetch: int = 0,
+        burn_in: int = 0,
     ) -> ReplayDataset:
         """The sync buffer's :meth:`SyncEpisodeReplayBuffer.as_dataset`; iterate it on the event
         loop's thread, or while no task uses the buffer (a ``prefetch`` thread samples the sync
@@ -387,6 +388,7 @@ class EpisodeReplayBuffer:
             strict=strict,
             layout=layout,
             prefetch=prefetch,
+            burn_in=burn_in,
         )
 
     # ----------------------------------------------------------------- lifecycle

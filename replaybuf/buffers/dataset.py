@@ -63,6 +63,7 @@ from torch.utils.data._utils import collate
 from replaybuf.args import NArg, check_gamma, check_n, positive_int
 from replaybuf.buffers.prefetch import Prefetcher, check_depth
 from replaybuf.errors import ArgumentError, ArgumentTypeError, InvalidStateError
+from replaybuf.sampling.sequences import check_sequence_args
 
 _WORKERS = (
     "a worker samples a copy of the buffer frozen at fork time, missing every later write; "
@@ -226,11 +227,17 @@ def episodes_dataset(
     gamma: Any,
     strict: bool,
     longest: int,
+    burn_in: int = 0,
     **ahead: Any,
 ) -> ReplayDataset:
-    """An episode buffer's dataset: n-step transitions, or sequences with ``seq_len``;
-    ``longest``: the buffer's ``max_steps``, which bounds ``n``; ``ahead``:
+    """An episode buffer's dataset: n-step transitions, or sequences with ``seq_len`` (and
+    ``burn_in``); ``longest``: the buffer's ``max_steps``, which bounds ``n``; ``ahead``:
     :class:`ReplayDataset`'s ``prefetch``, ``check`` and ``device``."""
+    if seq_len is None and burn_in != 0:
+        raise ArgumentError(
+            f"burn_in applies to sequences (give seq_len), got burn_in={burn_in!r}",
+            argument="burn_in",
+        )
     if seq_len is None:
         n = 1 if n is None else check_n(n, longest)
         gamma = 0.99 if gamma is None else check_gamma(gamma)
@@ -246,9 +253,9 @@ def episodes_dataset(
         )
     if gamma is not None:
         raise ArgumentError(f"gamma applies to n-step transitions, not sequences; got {gamma!r}")
-    seq_len = positive_int(seq_len, "seq_len")
+    seq_len, burn_in = check_sequence_args(seq_len, burn_in, longest)
     return ReplayDataset(
-        lambda: sample_sequences(batch_size, seq_len, strict=strict),
-        f"sample_sequences({batch_size}, {seq_len}, strict={strict})",
+        lambda: sample_sequences(batch_size, seq_len, strict=strict, burn_in=burn_in),
+        f"sample_sequences({batch_size}, {seq_len}, strict={strict}, burn_in={burn_in})",
         **ahead,
     )

@@ -131,11 +131,13 @@ class EpisodeEpochs:
         strict: bool = True,
         layout: str | None = None,
         prefetch: int = 0,
+        burn_in: int = 0,
     ) -> ReplayDataset:
         """This buffer as an endless ``IterableDataset`` of batches: ``sample_n_step(batch_size,
         n, gamma)`` (``n`` 1 and ``gamma`` 0.99 by default), or with ``seq_len``
-        ``sample_sequences(batch_size, seq_len, strict=strict)``, in ``layout`` (see
-        :mod:`replaybuf.buffers.dataset`); ``prefetch=k`` draws ``k`` batches ahead on a thread."""
+        ``sample_sequences(batch_size, seq_len, strict=strict, burn_in=burn_in)``, in
+        ``layout`` (see :mod:`replaybuf.buffers.dataset`); ``prefetch=k`` draws ``k`` batches
+        ahead on a thread."""
         batch_size = check_dataset_args(batch_size, strict)
         if layout is not None:
             check_layout(layout)
@@ -148,6 +150,7 @@ class EpisodeEpochs:
             gamma,
             strict,
             self.max_steps,
+            burn_in,
             prefetch=prefetch,
             check=self._check_open,
             device=self.device,

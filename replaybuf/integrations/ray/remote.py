@@ -269,11 +269,18 @@ class RemoteEpisodeReplayBuffer:
         )
 
     async def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
+        self,
+        batch_size: int,
+        seq_len: int,
+        *,
+        strict: bool = True,
+        layout: str | None = None,
+        burn_in: int = 0,
     ) -> TensorDict:
-        """``[batch_size, seq_len]`` runs of steps, delivered on this handle's device."""
+        """``[batch_size, burn_in + seq_len]`` runs of steps, delivered on this handle's
+        device (see :meth:`SyncEpisodeReplayBuffer.sample_sequences`)."""
         return await self._call(
-            "sample_sequences", batch_size, seq_len, strict=strict, layout=layout
+            "sample_sequences", batch_size, seq_len, strict=strict, layout=layout, burn_in=burn_in
         )
 
     async def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:

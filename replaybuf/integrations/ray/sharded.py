@@ -196,13 +196,19 @@ class ShardedEpisodeReplayBuffer(ShardedReads):
         return await self._sample("sample_n_step", "steps", 1, batch_size, (n, gamma), options)
 
     async def sample_sequences(
-        self, batch_size: int, seq_len: int, *, strict: bool = True, layout: str | None = None
+        self,
+        batch_size: int,
+        seq_len: int,
+        *,
+        strict: bool = True,
+        layout: str | None = None,
+        burn_in: int = 0,
     ) -> TensorDict:
-        """``[batch_size, seq_len]`` runs of steps, uniform over the union's starts (strict:
-        where ``seq_len`` steps fit)."""
+        """``[batch_size, burn_in + seq_len]`` runs of steps, uniform over the union's starts
+        (strict: where ``seq_len`` steps fit); ``burn_in`` steps before each start."""
         seq_len = positive_int(seq_len, "seq_len")
         what = "sequences" if strict else "steps"
-        options = {"strict": strict, "layout": layout}
+        options = {"strict": strict, "layout": layout, "burn_in": burn_in}
         return await self._sample(
             "sample_sequences", what, seq_len, batch_size, (seq_len,), options
         )
