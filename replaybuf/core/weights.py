@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from replaybuf.errors import ArgumentError
+
 
 def _check_unit_interval(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        raise ArgumentError(f"{name} must be a number in [0, 1], got {value!r}", argument=name)
     return float(value)
 
 
@@ -37,14 +39,21 @@ def compute_importance_weights(
     """
     beta = _check_unit_interval("beta", beta)
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-        raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
+        raise ArgumentError(
+            f"buffer_size must be an int >= 1, got {buffer_size!r}", argument="buffer_size"
+        )
     probabilities = torch.as_tensor(probabilities)
     if not probabilities.dtype.is_floating_point:
-        raise ValueError(f"probabilities must be floating point, got dtype {probabilities.dtype}")
+        raise ArgumentError(
+            f"probabilities must be floating point, got dtype {probabilities.dtype}",
+            argument="probabilities",
+        )
     bad = ~torch.isfinite(probabilities) | (probabilities <= 0)
     if bool(bad.any()):
         got = probabilities.flatten()[torch.nonzero(bad.flatten())[0]].item()
-        raise ValueError(f"probabilities must be finite and > 0, got {got!r}")
+        raise ArgumentError(
+            f"probabilities must be finite and > 0, got {got!r}", argument="probabilities"
+        )
     if probabilities.numel() == 0:
         return probabilities.clone()
     scaled = buffer_size * probabilities.double()  # N · P(i)
@@ -69,14 +78,14 @@ def sequence_priority(
     eta = _check_unit_interval("eta", eta)
     td_errors = torch.as_tensor(td_errors)
     if not td_errors.dtype.is_floating_point or td_errors.dim() < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"td_errors must be a floating point tensor [..., T], got dtype {td_errors.dtype} "
             f"and shape {tuple(td_errors.shape)}"
         )
     if mask is None:
         mask = torch.ones_like(td_errors, dtype=torch.bool)
     elif mask.dtype != torch.bool or mask.shape != td_errors.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"mask must be bool with the shape of td_errors {tuple(td_errors.shape)}, "
             f"got dtype {mask.dtype} and shape {tuple(mask.shape)}"
         )

@@ -48,6 +48,8 @@ from replaybuf.episodes import (
     restore_core,
 )
 from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     CheckpointKindError,
     MetadataError,
     NoCheckpointError,
@@ -182,8 +184,9 @@ def load(
     """A new ``cls`` holding the checkpoint at ``directory``."""
     unknown = sorted(set(overrides) - set(OVERRIDES))
     if unknown:
-        raise TypeError(
-            f"load_checkpoint() overrides must be among {list(OVERRIDES)}, got {unknown}"
+        raise ArgumentTypeError(
+            f"load_checkpoint() overrides must be among {list(OVERRIDES)}, got {unknown}",
+            argument="overrides",
         )
     checkpoint, _, kwargs = examine(directory, overrides)
     with checkpoint:
@@ -317,13 +320,13 @@ def open_or_create(
         theirs = meta.get("declared")
     for name, value in saved.items():
         if name in kwargs and kwargs[name] != value:
-            raise ValueError(
+            raise ArgumentError(
                 f"open({str(checkpoint.directory)!r}): {name}={kwargs[name]!r}, but the "
                 f"checkpoint there holds a buffer with {name}={value!r}"
             )
     declared = kwargs.get("spec")
     if declared is not None and FieldSpec.declare(declared).to_json() != theirs:
-        raise ValueError(
+        raise ArgumentError(
             f"open({str(checkpoint.directory)!r}): spec={declared!r}, but the checkpoint "
             f"there declares {theirs!r}"
         )

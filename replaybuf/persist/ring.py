@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     CheckpointKindError,
     CorruptCheckpointError,
     MetadataError,
@@ -173,7 +175,10 @@ def load(
     """A new ``cls`` holding the checkpoint at ``directory`` (``ReplayBuffer.load_checkpoint``)."""
     unknown = sorted(set(overrides) - set(OVERRIDES))
     if unknown:
-        raise TypeError(f"checkpoint overrides must be among {list(OVERRIDES)}, got {unknown}")
+        raise ArgumentTypeError(
+            f"checkpoint overrides must be among {list(OVERRIDES)}, got {unknown}",
+            argument="overrides",
+        )
     checkpoint, _, kwargs = examine(directory, overrides)
     with checkpoint:
         buffer = cls(**kwargs)
@@ -227,7 +232,7 @@ def open_or_create(
         capacity = checkpoint.meta.get("capacity")
     wanted = kwargs.get("buffer_size", capacity)
     if wanted != capacity:
-        raise ValueError(
+        raise ArgumentError(
             f"open({str(checkpoint.directory)!r}): buffer_size={wanted!r}, but the checkpoint"
             f" there holds a buffer of capacity {capacity!r}"
         )
@@ -374,7 +379,7 @@ def _constructor_kwargs(
         resolve_device(kwargs["device"], "device")
         resolve_kind(kwargs["storage"], storing)
     except ValueError as exc:
-        raise ValueError(
+        raise ArgumentError(
             f"{where} cannot load here: {exc}; pass device=, storing_device= or storage="
             " to load_checkpoint to load it elsewhere"
         ) from None

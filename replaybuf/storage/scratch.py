@@ -17,6 +17,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from replaybuf.errors import ArgumentError
 from replaybuf.storage.sweep import PREFIX, sweep, write_stamp
 
 
@@ -27,12 +28,20 @@ def _remove_if_owner(path: Path, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def check_scratch_dir(parent: str | os.PathLike | None) -> None:
+    """``scratch_dir`` None (the temp folder) or an existing folder, else ArgumentError."""
+    if parent is not None and not Path(parent).is_dir():
+        raise ArgumentError(
+            f"scratch_dir must be an existing directory, got {str(parent)!r}",
+            argument="scratch_dir",
+        )
+
+
 class ScratchFolder:
     """A private folder for memmap files, removed on close, garbage collection or exit."""
 
     def __init__(self, parent: str | os.PathLike | None) -> None:
-        if parent is not None and not Path(parent).is_dir():
-            raise ValueError(f"scratch_dir must be an existing directory, got {str(parent)!r}")
+        check_scratch_dir(parent)
         # Absolute, so cleanup still finds it after the process changes directory.
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent)).absolute()
         # weakref.finalize also runs at interpreter exit, and never touches signal handlers.

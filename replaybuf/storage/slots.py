@@ -6,8 +6,7 @@ buffer). What TorchRL lacks is added around it:
 
 * a private scratch folder on disk (:mod:`replaybuf.storage.scratch`);
 * ``kind="auto"``'s choice, a space check before allocation and disk blocks reserved just
-  ahead of the writes (:mod:`replaybuf.storage.planning`), so memmap files grow with the data
-  and a full disk raises :class:`InsufficientSpaceError` instead of SIGBUS later;
+  ahead of the writes, so files grow with the data (:mod:`replaybuf.storage.planning`);
 * TorchRL's INFO line on allocating kept off the console (:mod:`replaybuf.storage.quiet`);
 * writes as slice or ``index_copy_`` copies into the very columns TorchRL holds, with its
   bookkeeping repeated through its own methods (:mod:`replaybuf.storage.torchrl_state`), as a
@@ -37,7 +36,7 @@ from replaybuf.storage.planning import SlotPlanning
 from replaybuf.storage.quiet import quiet_allocation
 from replaybuf.storage.ragged import Ragged, RaggedColumn
 from replaybuf.storage.schema import FieldSpec, Key
-from replaybuf.storage.scratch import ScratchFolder
+from replaybuf.storage.scratch import ScratchFolder, check_scratch_dir
 from replaybuf.storage.staging import row_words
 from replaybuf.storage.tensordicts import NEW_UNSAFE, build_tensordict, tensordict_of
 from replaybuf.storage.torchrl_state import (
@@ -76,8 +75,8 @@ class SlotStorage(SlotPlanning):
         # gives the size; until then memmap, the kind of a size not yet known.
         self.kind: StorageKind = "memmap" if kind == "auto" else kind
         self.index_column, self.storing_device = index_column, storing_device
-        if kind == "auto" and scratch_dir is not None and not Path(scratch_dir).is_dir():
-            raise ValueError(f"scratch_dir must be an existing directory, got {str(scratch_dir)!r}")
+        if kind == "auto":  # memmap may be chosen at the first write: its folder is checked now
+            check_scratch_dir(scratch_dir)
         self.spec: FieldSpec | None = None
         # Each ragged field's arena and row spans (see replaybuf.storage.ragged), by key.
         self.ragged: dict[Key, RaggedColumn] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from replaybuf.errors import CheckpointError
+from replaybuf.errors import ArgumentError, ArgumentTypeError, CheckpointError
 
 FORMAT = "replaybuf.persist.format"
 FORMAT_VERSION = 2  # 2: the manifest carries CHECKSUM; 1 (still read) did not
@@ -55,7 +55,9 @@ def target_path(directory: str | os.PathLike[str]) -> Path:
     """``directory`` as an absolute path that names a folder."""
     target = Path(os.path.abspath(os.fspath(directory)))
     if target.name in ("", ".", ".."):
-        raise ValueError(f"directory must name a folder, got {os.fspath(directory)!r}")
+        raise ArgumentError(
+            f"directory must name a folder, got {os.fspath(directory)!r}", argument="directory"
+        )
     if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
         raise CheckpointError("the checkpoint format is little-endian; this host is big-endian")
     return target
@@ -64,27 +66,27 @@ def target_path(directory: str | os.PathLike[str]) -> Path:
 def check_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors to write, after checking every name, layout and dtype."""
     if not isinstance(tensors, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"tensors must be a mapping of name -> tensor, got {type(tensors).__name__}"
         )
     items: dict[str, torch.Tensor] = {}
     folded: dict[str, str] = {}  # lower-cased name -> name
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not valid_name(name):
-            raise ValueError(
+            raise ArgumentError(
                 f"tensor name must be '/'-joined parts of [A-Za-z0-9_.-], none empty or starting"
                 f" with '.' (no '..', no absolute path), got {name!r}"
             )
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"tensor {name!r} must be a dense torch.Tensor, got {type(tensor).__name__}"
             )
         if dtype_name(tensor.dtype) not in DTYPES:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"tensor {name!r} dtype must be one of {sorted(DTYPES)}, got {tensor.dtype}"
             )
         if name.lower() in folded:  # data/Obs.bin and data/obs.bin collide on some filesystems
-            raise ValueError(
+            raise ArgumentError(
                 f"tensor names {folded[name.lower()]!r} and {name!r} differ only in case"
             )
         folded[name.lower()] = name
@@ -98,17 +100,17 @@ def check_json(value: object, path: str) -> None:
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"{path} must be a finite float for JSON, got {value!r}")
+            raise ArgumentError(f"{path} must be a finite float for JSON, got {value!r}")
     elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise TypeError(f"{path} keys must be str for JSON, got {key!r}")
+                raise ArgumentTypeError(f"{path} keys must be str for JSON, got {key!r}")
             check_json(item, f"{path}[{key!r}]")
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             check_json(item, f"{path}[{i}]")
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{path} must be JSON data (dict, list, str, int, float, bool, None),"
             f" got {type(value).__name__}"
         )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from replaybuf.errors import CheckpointError, InsufficientSpaceError
+from replaybuf.errors import ArgumentError, CheckpointError, InsufficientSpaceError
 from replaybuf.persist.format import streams
 from replaybuf.persist.format.crash import crash_point
 from replaybuf.persist.format.names import (
@@ -65,7 +65,7 @@ def write_checkpoint(
     """
     target = target_path(directory)
     if not isinstance(kind, str) or not kind:
-        raise ValueError(f"kind must be a non-empty str, got {kind!r}")
+        raise ArgumentError(f"kind must be a non-empty str, got {kind!r}", argument="kind")
     meta = dict(meta)
     check_json(meta, "meta")
     items = check_tensors(tensors)
