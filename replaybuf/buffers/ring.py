@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import NArg, check_seed, index_tensor, positive_int
+from replaybuf.args import NArg, check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
@@ -64,7 +64,11 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             files, chosen at the first write (or at once from ``spec``); on CUDA, tensor.
         scratch_dir: existing folder for memmap files; a private subfolder is created there
             and removed by ``close()``. Defaults to the system temporary folder (on disk).
-        seed: seeds the sampling generator, for reproducible batches.
+        seed: seeds the sampling generator, for reproducible batches. ``None`` (the default)
+            draws the seed from torch's global CPU generator (one int64), so that
+            ``torch.manual_seed(s)`` before the buffer is built repeats its batches, as with
+            TorchRL's samplers; an explicit seed leaves the global generator untouched.
+            ``reset()`` keeps the generator's state (it is not reseeded).
         prioritized: sample ∝ priority^alpha with importance weights (see
             :mod:`replaybuf.priority.policy`); batches then carry ``index`` and ``weight``.
         alpha, beta, eps: PER's exponent, importance-weight exponent and priority offset.
@@ -121,11 +125,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         )
         if self._declared is not None:
             self._prepare_declared()
+        # No seed: one drawn from torch's global generator, so torch.manual_seed repeats a run.
         self._generator = torch.Generator(device=self.storing_device)
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator.manual_seed(seed_or_draw(seed))
         self._pointer = 0
         self._size = 0
         self._writes = 0  # rows ever written: row k's id is k, its slot k % capacity

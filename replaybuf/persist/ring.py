@@ -176,7 +176,8 @@ def load(
         raise TypeError(f"checkpoint overrides must be among {list(OVERRIDES)}, got {unknown}")
     checkpoint, _, kwargs = examine(directory, overrides)
     with checkpoint:
-        buffer = cls(**kwargs)
+        # Any seed: the saved sampler state replaces it (none is drawn from torch's generator).
+        buffer = cls(**{**kwargs, "seed": 0})
         try:
             buffer.load_state_dict(checkpoint)
         except BaseException:
