@@ -39,9 +39,11 @@ class RingEpochs:
     _resets: int
     _iterator: Iterator[TensorDict] | None
     device: torch.device
-    storing_device: torch.device
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
+
+        @property
+        def storing_device(self) -> torch.device: ...
 
         @property
         def buffer_size(self) -> int: ...
