@@ -211,7 +211,7 @@ def _buffer_problems(directory: str) -> list[str]:
 def _populate(args: argparse.Namespace) -> int:
     """Collect ``--steps`` transitions into a new episode buffer and save it at ``--out``."""
     from replaybuf.buffers import SyncEpisodeReplayBuffer
-    from replaybuf.collect import collect
+    from replaybuf.collecting import collect
 
     out = _writable_out(args.out, args.force)
     envs = _make_envs(args)

@@ -275,8 +275,7 @@ def test_populate_names_an_unknown_environment(tmp_path, capsys):
 
 def test_an_interrupted_populate_writes_nothing(tmp_path, capsys, monkeypatch):
     pytest.importorskip("gymnasium")
-    collect_module = importlib.import_module("replaybuf.collect")  # the module, even once
-    # replaybuf exports a function of the same name
+    collect_module = importlib.import_module("replaybuf.collecting")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

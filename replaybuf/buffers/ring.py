@@ -163,24 +163,6 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         return self._storing_device
 
     @property
-    def epoch_iterator(self) -> Iterator[TensorDict] | None:
-        """The iterator :meth:`get_next_batch` draws from (ObjectRL's attribute): the one
-        :meth:`create_epoch_iterator` or :meth:`get_steps_and_iterator` installed, ``None``
-        when there is none (or it was exhausted). Assign ``None`` to drop it, so that
-        ``get_next_batch`` samples at random, or any iterator of batches to draw from it."""
-        return self._iterator
-
-    @epoch_iterator.setter
-    def epoch_iterator(self, value: Iterator[TensorDict] | None) -> None:
-        if value is not None and not isinstance(value, Iterator):
-            raise ArgumentTypeError(
-                f"epoch_iterator must be None or an iterator, got {type(value).__name__}",
-                argument="epoch_iterator",
-            )
-        with self._lock:
-            self._iterator = value
-
-    @property
     def buffer_size(self) -> int:
         return self._slots.capacity
 
