@@ -7,7 +7,7 @@ from replaybuf.buffers import (
     SyncEpisodeReplayBuffer,
     as_dataset,
 )
-from replaybuf.collect import collect
+from replaybuf.collecting import collect
 from replaybuf.core import compute_discounted_return, compute_importance_weights, sequence_priority
 from replaybuf.errors import (
     ArgumentError,

@@ -65,6 +65,19 @@ def check_seed(seed: Any, name: str = "seed") -> int | None:
     return None if seed is None else int_at_least(seed, name, 0, SEED_MAX)
 
 
+def seed_or_draw(seed: int | None) -> int:
+    """``seed`` (already checked), or for ``None`` one drawn from torch's global CPU generator.
+
+    As TorchRL's samplers and SB3 (which seeds torch) behave: ``torch.manual_seed(s)`` before
+    a buffer is built makes its batches repeat exactly. The draw takes one int64 from that
+    generator; an explicit seed takes nothing from it. Always the CPU generator, whatever
+    ``torch.set_default_device`` says, so a CUDA buffer's seed follows ``torch.manual_seed`` too.
+    """
+    if seed is not None:
+        return seed
+    return int(torch.randint(0, INT64_MAX, (), dtype=torch.int64, device=_CPU))
+
+
 def check_int64(value: int, name: str, error: type[Exception] = ArgumentError) -> int:
     """A Python int that torch stores as int64, else ``error`` naming ``name`` (a field)."""
     if not INT64_MIN <= value <= INT64_MAX:

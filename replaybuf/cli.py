@@ -13,6 +13,7 @@
                                      collect N steps from a gymnasium env into an episode
                                      buffer (progress bar on a terminal) and save it as a
                                      checkpoint at DIR, atomically (needs gymnasium)
+    replaybuf --version              the installed version
     replaybuf bench                  run benchmarks/suite.py --quick of a source checkout and
                                      print its table; exit with the suite's status
 
@@ -24,6 +25,7 @@ print one message, never a traceback; a failed ``populate`` writes nothing at DI
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -62,9 +64,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's ``__version__`` (a source
+    tree that is not installed)."""
+    try:
+        return importlib.metadata.version("replaybuf")
+    except importlib.metadata.PackageNotFoundError:
+        return replaybuf.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Inspect and verify checkpoints, populate starter buffers, bench."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"{PROG} {version()}", help="print the version"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect = commands.add_parser("inspect", help="print what a checkpoint holds")
@@ -197,7 +211,7 @@ def _buffer_problems(directory: str) -> list[str]:
 def _populate(args: argparse.Namespace) -> int:
     """Collect ``--steps`` transitions into a new episode buffer and save it at ``--out``."""
     from replaybuf.buffers import SyncEpisodeReplayBuffer
-    from replaybuf.collect import collect
+    from replaybuf.collecting import collect
 
     out = _writable_out(args.out, args.force)
     envs = _make_envs(args)

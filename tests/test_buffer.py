@@ -445,13 +445,28 @@ def test_reset_with_a_size_resizes_the_buffer(make_buffer, storage):
     assert buf.stats()["capacity"] == 3
 
 
-def test_reset_logs_a_warning_only_when_asked(tmp_path, caplog):
-    with ReplayBuffer("cpu", "cpu", 2, True, scratch_dir=tmp_path) as loud:
-        loud.reset()
-    with ReplayBuffer("cpu", "cpu", 2, False, scratch_dir=tmp_path) as quiet:
-        quiet.reset()
+def test_reset_logs_a_warning_only_when_asked_and_only_when_it_collects(
+    tmp_path, caplog, monkeypatch
+):
+    """ObjectRL's print_gc_warning: the collector runs only after creating storage raised
+    OSError (then once more), and only a buffer made with the flag logs it."""
+    for flag in (True, False):
+        with ReplayBuffer("cpu", "cpu", 2, flag, scratch_dir=tmp_path) as buf:
+            buf.reset()  # no collection: nothing to log
+            real, failed = buf._slots.reset, []
+
+            def flaky(*args, real=real, failed=failed):
+                if not failed:
+                    failed.append(1)
+                    raise OSError(12, "Cannot allocate memory")
+                real(*args)
+
+            monkeypatch.setattr(buf._slots, "reset", flaky)
+            buf.reset()
     messages = [r.getMessage() for r in caplog.records if r.name == "replaybuf"]
-    assert messages == ["ReplayBuffer.reset ran the garbage collector"]
+    assert messages == [
+        "ReplayBuffer ran the garbage collector after: [Errno 12] Cannot allocate memory"
+    ]
 
 
 def test_close_is_idempotent_and_later_use_raises_buffer_closed(make_buffer, storage):

@@ -7,6 +7,7 @@ fixture and the tests read their results; a few extra cases call ``main`` in-pro
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import replaybuf
 from replaybuf import ReplayBuffer, cli
 from replaybuf.cli import main
 from replaybuf.persist.format import write_checkpoint
@@ -273,8 +275,7 @@ def test_populate_names_an_unknown_environment(tmp_path, capsys):
 
 def test_an_interrupted_populate_writes_nothing(tmp_path, capsys, monkeypatch):
     pytest.importorskip("gymnasium")
-    collect_module = importlib.import_module("replaybuf.collect")  # the module, even once
-    # replaybuf exports a function of the same name
+    collect_module = importlib.import_module("replaybuf.collecting")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -325,3 +326,21 @@ def test_suite_path_is_benchmarks_suite_py_beside_the_package():
 
     root = Path(replaybuf.__file__).resolve().parents[1]
     assert cli.suite_path() == root / "benchmarks" / "suite.py"
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == f"replaybuf {importlib.metadata.version('replaybuf')}"
+
+
+def test_version_falls_back_to_the_package_version(capsys, monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"replaybuf {replaybuf.__version__}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replaybuf import EpisodeReplayBuffer, SchemaError, SyncEpisodeReplayBuffer
-from replaybuf.collect import collect
+from replaybuf.collecting import collect
 
 gym = pytest.importorskip("gymnasium")
 AutoresetMode = pytest.importorskip("gymnasium.vector").AutoresetMode

@@ -4,7 +4,7 @@ import circle (imports inside functions included), a pure core, short modules.
 The layers, bottom to top (a module may import its own layer and the layers below)::
 
     errors, args  ->  core  ->  accel  ->  storage  ->  priority  ->  episodes  ->  sampling
-    ->  persist  ->  buffers  ->  integrations, collect, cli, the package itself
+    ->  persist  ->  buffers  ->  integrations, collecting, cli, the package itself
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ LAYERS = [
     ("sampling",),
     ("persist",),
     ("buffers",),
-    ("integrations", "compat", "collect", "cli", "__main__", ""),
+    ("integrations", "compat", "collecting", "cli", "__main__", ""),
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500
@@ -143,7 +143,7 @@ def test_the_checks_see_what_they_must() -> None:
     """The checker itself: an import inside a function counts (cli imports collect only in
     a function), one under TYPE_CHECKING does not, and a circle or an uphill import shows."""
     edges = graph()
-    assert "replaybuf.collect" in edges["replaybuf.cli"]
+    assert "replaybuf.collecting" in edges["replaybuf.cli"]
     assert "replaybuf.buffers.episodes" not in edges["replaybuf.buffers.episode_state"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert uphill({"replaybuf.storage.slots": {"replaybuf.episodes.core"}}) != []

@@ -30,6 +30,7 @@ from replaybuf.buffers.episodes import SyncEpisodeReplayBuffer
 from replaybuf.episodes import RowsPinned
 from replaybuf.errors import BufferClosedError
 from replaybuf.persist import episodes as episode_checkpoint
+from replaybuf.persist.metadata import SavedMetadata
 
 T = TypeVar("T")
 _RETRY: Any = object()  # a call refused by RowsPinned, to run again
@@ -467,8 +468,10 @@ class EpisodeReplayBuffer:
             await self._idle.wait()
             await self._call(self._sync.load_state_dict, state)
 
-    async def save(self, path: str | os.PathLike) -> None:
-        await self._call(self._sync.save, path)
+    async def save(self, path: str | os.PathLike) -> SavedMetadata:
+        """Metadata only, not the episodes: see :meth:`SyncEpisodeReplayBuffer.save`
+        (:meth:`save_checkpoint` saves the contents)."""
+        return await self._call(self._sync.save, path)
 
     async def load(self, path: str | os.PathLike) -> dict[str, Any]:
         return await self._call(self._sync.load, path)

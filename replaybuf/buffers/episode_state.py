@@ -195,11 +195,17 @@ class EpisodePersistence:
 
     # ----------------------------------------------------------------- metadata
     @synchronized
-    def save(self, path: str | os.PathLike) -> None:
-        """Write metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
+    def save(self, path: str | os.PathLike) -> metadata.SavedMetadata:
+        """Write metadata, **not the rows**, to ``path + ".metadata"``, atomically, as JSON.
+
+        Counters, capacity, storage, devices, field spec and frame stacking; the episodes are
+        not saved (:meth:`save_checkpoint` saves them). Returns a
+        :class:`~replaybuf.persist.metadata.SavedMetadata` (``contents_saved=False``), and the
+        first save of a process logs a warning saying so.
+        """
         self._check_open()
         core = self._core
-        metadata.write_metadata(
+        target = metadata.write_metadata(
             path,
             KIND,
             {
@@ -219,6 +225,7 @@ class EpisodePersistence:
                 "frame_stack_padding": self.frame_stack_padding,
             },
         )
+        return metadata.saved_metadata(target)
 
     @synchronized
     @NORMAL_TENSORS

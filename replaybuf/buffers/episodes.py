@@ -26,6 +26,7 @@ from replaybuf.args import (
     check_n,
     check_seed,
     positive_int,
+    seed_or_draw,
 )
 from replaybuf.buffers.episode_epochs import EpisodeEpochs
 from replaybuf.buffers.episode_state import EpisodePersistence
@@ -71,7 +72,10 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         storing_device: where rows are kept (``"cpu"`` or CUDA).
         storage: ``"auto"``, ``"memmap"`` or ``"tensor"``, as for :class:`ReplayBuffer`.
         scratch_dir: existing folder for memmap files (a private subfolder is used).
-        seed: seeds sampling.
+        seed: seeds sampling (the generator and, on CUDA storage, the device draws' key).
+            ``None`` (the default) draws it from torch's global CPU generator (one int64), so
+            ``torch.manual_seed(s)`` before the buffer is built repeats its batches; an explicit
+            seed leaves the global generator untouched. ``clear()`` keeps the sampler's state.
         min_steps: sampling raises until at least this many valid steps are stored.
         prioritized, alpha, beta, eps, priority_backend: prioritized replay (see
             ``docs/prioritized.md``).
@@ -135,11 +139,10 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         self._storage = (kind, scratch_dir)  # what a fresh core's storage is made of
         self._priority = (alpha, beta, eps, priority_backend) if prioritized else None
         self._core = self._new_core()
+        # No seed: one drawn from torch's global generator, so torch.manual_seed repeats a run.
+        seed = seed_or_draw(seed)
         self._generator = torch.Generator(device=self.storing_device)
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
+        self._generator.manual_seed(seed)
         self._closed = False
         self._home: Path | None = None  # where open() put it: save_checkpoint()'s default
         # The device draws (CUDA storage): a key from the seed, apart from the generator's.

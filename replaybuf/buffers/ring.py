@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import NArg, check_seed, index_tensor, positive_int
+from replaybuf.args import NArg, check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
@@ -58,13 +58,18 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         device: where sampled batches are delivered (the training device).
         storing_device: where rows are kept (``"cpu"`` or a CUDA device).
         buffer_size: capacity in transitions.
-        print_gc_warning: log a warning when ``reset`` runs the garbage collector (ObjectRL).
+        print_gc_warning: log a warning when the garbage collector is run (ObjectRL's flag):
+            only after creating storage raised ``OSError``, before the one retry.
         storage: ``"auto"``, ``"memmap"`` or ``"tensor"``. ``"auto"`` on the CPU keeps rows
             that plan at most 256 MiB in RAM (tensor storage) and larger ones in memmap
             files, chosen at the first write (or at once from ``spec``); on CUDA, tensor.
         scratch_dir: existing folder for memmap files; a private subfolder is created there
             and removed by ``close()``. Defaults to the system temporary folder (on disk).
-        seed: seeds the sampling generator, for reproducible batches.
+        seed: seeds the sampling generator, for reproducible batches. ``None`` (the default)
+            draws the seed from torch's global CPU generator (one int64), so that
+            ``torch.manual_seed(s)`` before the buffer is built repeats its batches, as with
+            TorchRL's samplers; an explicit seed leaves the global generator untouched.
+            ``reset()`` keeps the generator's state (it is not reseeded).
         prioritized: sample ∝ priority^alpha with importance weights (see
             :mod:`replaybuf.priority.policy`); batches then carry ``index`` and ``weight``.
         alpha, beta, eps: PER's exponent, importance-weight exponent and priority offset.
@@ -96,8 +101,8 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         self._lock = (
             threading.RLock()
         )  # every public call runs under it (replaybuf.buffers.locking)
-        self.device = resolve_device(device, "device")
-        self.storing_device = resolve_device(storing_device, "storing_device")
+        self._device = resolve_device(device, "device")
+        self._storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
         kind = resolve_kind(storage, self.storing_device)
         seed = check_seed(seed)
@@ -121,11 +126,9 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         )
         if self._declared is not None:
             self._prepare_declared()
+        # No seed: one drawn from torch's global generator, so torch.manual_seed repeats a run.
         self._generator = torch.Generator(device=self.storing_device)
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator.manual_seed(seed_or_draw(seed))
         self._pointer = 0
         self._size = 0
         self._writes = 0  # rows ever written: row k's id is k, its slot k % capacity
@@ -141,6 +144,23 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         """The TorchRL ``TensorDictReplayBuffer`` that holds the rows."""
         self._check_open()
         return self._slots.memory
+
+    @property
+    def device(self) -> torch.device:
+        """Where sampled batches are delivered. Assignable, as ObjectRL's attribute: later
+        batches go to the new device (an iterator or dataset already made keeps its own)."""
+        return self._device
+
+    @device.setter
+    def device(self, value: torch.device | str) -> None:
+        device = resolve_device(value, "device")
+        with self._lock:
+            self._device = device
+
+    @property
+    def storing_device(self) -> torch.device:
+        """Where rows are kept; fixed at construction (the rows and the sampler live there)."""
+        return self._storing_device
 
     @property
     def buffer_size(self) -> int:
@@ -216,7 +236,7 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             buffer_size = positive_int(buffer_size, "buffer_size")
             if self._declared is not None:  # refuse before dropping anything
                 self._slots.check_space(buffer_size, self._declared)
-        self._slots.reset(buffer_size)
+        self._retry_after_collect(self._slots.reset, buffer_size)
         if self._priorities is not None:
             p = self._priorities
             self._priorities = Prioritizer(
@@ -230,10 +250,29 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         self._iterator = None
         self._resets += 1
         if self._declared is not None:
-            self._slots.prepare(self._declared)
-        gc.collect()  # release the old storage's mapped files now, as ObjectRL does
-        if self.print_gc_warning:
-            logger.warning("ReplayBuffer.reset ran the garbage collector")
+            self._retry_after_collect(self._slots.prepare, self._declared)
+
+    def _retry_after_collect(
+        self, make: Callable[..., None], *args: Any, undo: Callable[[], None] | None = None
+    ) -> None:
+        """``make(*args)``, and once more after a garbage collection if it raised ``OSError``.
+
+        Dropping storage releases it at once (its files are removed and, with no reference
+        cycle holding them, its tensors freed), so a reset costs what freeing the storage
+        costs. Only a failure to get memory, files or mappings (ENOMEM, EMFILE, a failed
+        mmap) shows that unreachable objects may still hold some: then the collector runs,
+        as ObjectRL runs it after an ``OSError`` in ``add``, and ``print_gc_warning`` logs it.
+        ``undo`` puts back what the failed call changed before the retry.
+        """
+        try:
+            make(*args)
+        except OSError as exc:
+            if undo is not None:
+                undo()
+            gc.collect()
+            if self.print_gc_warning:
+                logger.warning("ReplayBuffer ran the garbage collector after: %s", exc)
+            make(*args)
 
     # ----------------------------------------------------------------- writes
     @synchronized
@@ -264,6 +303,24 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             self._write(to_leaves(batch, batched=True, what="add_batch", spec=spec), "add_batch")
 
     def _write(self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False) -> None:
+        """:meth:`_write_rows`; the first write into empty storage, which allocates it, is
+        retried once after a garbage collection if it raises ``OSError`` (nothing was stored:
+        the storage is made afresh, keeping its spec, before the retry)."""
+        if self._size:
+            self._write_rows(leaves, what, checked)
+            return
+        spec = self._slots.spec  # declared, or taken by load(): kept for the retry
+
+        def afresh() -> None:
+            self._slots.reset()
+            if spec is not None:
+                self._slots.prepare(spec)
+
+        self._retry_after_collect(self._write_rows, leaves, what, checked, undo=afresh)
+
+    def _write_rows(
+        self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False
+    ) -> None:
         """Write ``[rows, ...]`` leaves by flat key, checked against the spec unless ``checked``
         (they came from :meth:`FieldSpec.match`). No TensorDict is built for them once the
         storage writes directly: a TensorDict setitem per field costs more than the copy of a

@@ -18,7 +18,7 @@ from replaybuf.args import int_at_least, positive_int
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.prefetch import Prefetcher, prefetching
 from replaybuf.core import epoch_batches, num_batches
-from replaybuf.errors import InvalidStateError
+from replaybuf.errors import ArgumentTypeError, InvalidStateError
 from replaybuf.priority import Prioritizer, ring_keys
 from replaybuf.storage import (
     SlotStorage,
@@ -39,9 +39,11 @@ class RingEpochs:
     _resets: int
     _iterator: Iterator[TensorDict] | None
     device: torch.device
-    storing_device: torch.device
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
+
+        @property
+        def storing_device(self) -> torch.device: ...
 
         @property
         def buffer_size(self) -> int: ...
@@ -55,6 +57,24 @@ class RingEpochs:
         def sample_batch(self, batch_size: int) -> TensorDict: ...
 
     # ----------------------------------------------------------------- epochs
+    @property
+    def epoch_iterator(self) -> Iterator[TensorDict] | None:
+        """The iterator :meth:`get_next_batch` draws from (ObjectRL's attribute): the one
+        :meth:`create_epoch_iterator` or :meth:`get_steps_and_iterator` installed, ``None``
+        when there is none (or it was exhausted). Assign ``None`` to drop it, so that
+        ``get_next_batch`` samples at random, or any iterator of batches to draw from it."""
+        return self._iterator
+
+    @epoch_iterator.setter
+    def epoch_iterator(self, value: Iterator[TensorDict] | None) -> None:
+        if value is not None and not isinstance(value, Iterator):
+            raise ArgumentTypeError(
+                f"epoch_iterator must be None or an iterator, got {type(value).__name__}",
+                argument="epoch_iterator",
+            )
+        with self._lock:
+            self._iterator = value
+
     @synchronized
     def create_epoch_iterator(
         self,

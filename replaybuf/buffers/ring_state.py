@@ -51,10 +51,12 @@ class RingPersistence:
     _iterator: Iterator[TensorDict] | None
     _home: Path | None
     device: torch.device
-    storing_device: torch.device
     print_gc_warning: bool
 
     if TYPE_CHECKING:  # declared for the type checker; the buffer defines them
+
+        @property
+        def storing_device(self) -> torch.device: ...
 
         @property
         def buffer_size(self) -> int: ...
@@ -69,10 +71,17 @@ class RingPersistence:
 
     # ----------------------------------------------------------------- metadata
     @synchronized
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the metadata (not the rows) to ``path + ".metadata"``, atomically, as JSON."""
+    def save(self, path: str | os.PathLike) -> metadata.SavedMetadata:
+        """Write the metadata, **not the rows**, to ``path + ".metadata"``, atomically, as JSON.
+
+        ObjectRL's meaning: capacity, ``data_size``, ``pointer``, storage, devices and field
+        spec; :meth:`load` checks a buffer against them. The stored transitions are not saved:
+        :meth:`save_checkpoint` saves them. Returns a
+        :class:`~replaybuf.persist.metadata.SavedMetadata` (the file's ``path``,
+        ``contents_saved=False``), and the first save of a process logs a warning saying so.
+        """
         self._check_open()
-        metadata.write_metadata(
+        target = metadata.write_metadata(
             path,
             "ReplayBuffer",
             {
@@ -85,6 +94,7 @@ class RingPersistence:
                 "spec": None if self.spec is None else self.spec.to_json(),
             },
         )
+        return metadata.saved_metadata(target)
 
     @synchronized
     @NORMAL_TENSORS

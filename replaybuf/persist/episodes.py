@@ -190,7 +190,8 @@ def load(
         )
     checkpoint, _, kwargs = examine(directory, overrides)
     with checkpoint:
-        buffer = cls(kwargs.pop("max_steps"), **kwargs)
+        # Any seed: the saved sampler state replaces it (none is drawn from torch's generator).
+        buffer = cls(kwargs.pop("max_steps"), **{**kwargs, "seed": 0})
         try:
             buffer.load_state_dict(checkpoint)
         except BaseException:

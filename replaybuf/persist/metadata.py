@@ -3,14 +3,21 @@
 ``save(path)`` writes ``path + ".metadata"``; ``load(path)`` reads it. Nothing here executes code
 from the file (plain ``json``), and a write never leaves a torn file: the bytes go to a temporary
 sibling, are fsynced, and replace the old file with ``os.replace``.
+
+Metadata holds no rows (ObjectRL's meaning of ``save``). So that nobody takes it for a save of
+the contents, ``save`` returns a :class:`SavedMetadata` with ``contents_saved=False`` and the
+first save of a process logs a warning naming ``save_checkpoint``, which saves everything.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,40 @@ from replaybuf.storage import FieldSpec
 FORMAT = "replaybuf.persist.metadata"
 FORMAT_VERSION = 1
 SUFFIX = ".metadata"
+NOTE = (
+    "save() wrote metadata only (capacity, counters, field spec), not the stored transitions; "
+    "use save_checkpoint(directory) to save the contents"
+)
+_logger = logging.getLogger("replaybuf")
+_warned = False  # the metadata-only warning is logged once per process
+_warned_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SavedMetadata:
+    """What ``save(path)`` wrote: the metadata file at ``path``, never the rows.
+
+    ``contents_saved`` is always ``False`` and ``note`` says how to save the contents
+    (``save_checkpoint``). ``os.fspath(saved)`` is the file's path.
+    """
+
+    path: Path
+    contents_saved: bool = False
+    note: str = NOTE
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+
+def saved_metadata(target: Path) -> SavedMetadata:
+    """The result of a metadata save at ``target``; warns (once per process) that it holds no
+    rows."""
+    global _warned
+    with _warned_lock:
+        first, _warned = not _warned, True
+    if first:
+        _logger.warning("%s (wrote %s; logged once per process)", NOTE, target)
+    return SavedMetadata(target)
 
 
 def metadata_path(path: str | os.PathLike) -> Path:

@@ -181,7 +181,8 @@ def load(
         )
     checkpoint, _, kwargs = examine(directory, overrides)
     with checkpoint:
-        buffer = cls(**kwargs)
+        # Any seed: the saved sampler state replaces it (none is drawn from torch's generator).
+        buffer = cls(**{**kwargs, "seed": 0})
         try:
             buffer.load_state_dict(checkpoint)
         except BaseException:

@@ -44,6 +44,7 @@ from replaybuf.storage.torchrl_state import (
     allocated_bytes,
     new_memory,
     record_write,
+    release,
     restore_state,
     stored_columns,
     takes_direct_writes,
@@ -142,6 +143,8 @@ class SlotStorage(SlotPlanning):
         self._flat_names = None
         self._direct = False
         self._reserved = 0
+        if self.memory is not None:
+            release(self.memory)  # its rows go now, not at the next garbage collection
         self.memory = None
         self._close_ragged()
         self._stager.clear()

@@ -99,3 +99,21 @@ def restore_state(memory: TensorDictReplayBuffer, rows: int, cursor: int, writes
     index = stored.get(INDEX_KEY[0])
     index[:rows] = torch.arange(rows, dtype=index.dtype, device=index.device)
     return True
+
+
+def release(memory: TensorDictReplayBuffer) -> None:
+    """Free a dropped TorchRL buffer's rows now rather than at the next garbage collection.
+
+    Its storage lists the sampler and writer that read it (``attach``), which refer back to
+    it, and a locked TensorDict (memmap storage's) caches views of itself: reference cycles,
+    so dropping the buffer alone would leave its rows (RAM, or mapped files) to the collector.
+    Breaking both lets reference counting free every column no one else holds.
+    """
+    storage = memory.storage
+    entities = getattr(storage, "_attached_entities", None)
+    if isinstance(entities, list):
+        entities.clear()
+    data = getattr(storage, "_storage", None)
+    if isinstance(data, TensorDictBase):
+        data.unlock_()  # drops its cache (the views that refer back to it)
+        data.clear()

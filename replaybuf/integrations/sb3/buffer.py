@@ -26,6 +26,7 @@ from replaybuf.errors import (
 )
 from replaybuf.integrations.sb3 import checks
 from replaybuf.integrations.sb3.held import HeldAside
+from replaybuf.integrations.sb3.pickling import discard_partial_pickle
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
 
 
@@ -79,7 +80,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     ``buffer_size - segment_steps`` and ``buffer_size`` transitions, from the most recent
     episodes, and the environments' shares may differ from SB3's exact ``buffer_size // n_envs``.
 
-    Not supported: pickling (``model.save_replay_buffer`` raises ``TypeError``; there is no
+    Not supported: pickling (``model.save_replay_buffer`` raises ``TypeError`` and leaves no
+    file behind, see :mod:`~replaybuf.integrations.sb3.pickling`; there is no
     save/load of an ``SB3ReplayBuffer`` yet: ``episode_buffer.save_checkpoint`` saves the stored
     episodes, not the held-aside newest transitions nor this adapter's state), SB3's
     index-based ``_get_samples``, and reward normalisation by a ``VecNormalize`` with
@@ -376,6 +378,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
+        discard_partial_pickle()  # model.save_replay_buffer made the file: it must not stay
         raise ArgumentTypeError(
             "SB3ReplayBuffer cannot be pickled (model.save_replay_buffer): its rows live in "
             "replaybuf storage, and no save/load of the adapter exists yet"

@@ -5,7 +5,7 @@ transition) and each finished episode an ``end_episode`` with its true final obs
 
     import gymnasium as gym
     from replaybuf import SyncEpisodeReplayBuffer
-    from replaybuf.collect import collect
+    from replaybuf.collecting import collect
 
     envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
     with SyncEpisodeReplayBuffer(100_000, seed=0) as buf:
