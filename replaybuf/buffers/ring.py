@@ -44,6 +44,7 @@ from replaybuf.storage import (
     key_name,
     resolve_device,
     resolve_kind,
+    row_writer,
     to_leaves,
 )
 
@@ -236,10 +237,23 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             logger.warning("ReplayBuffer.reset ran the garbage collector")
 
     # ----------------------------------------------------------------- writes
-    @synchronized
     def add(self, experience: TensorDictBase | dict[str, Any]) -> None:
         """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
-        self._check_open()
+        lock = self._lock  # inline, as the per-step appends: the per-step hot path
+        lock.acquire()
+        try:
+            self._check_open()
+            # The row writer chosen for this storage (replaybuf.storage.ringrow): a dict of
+            # exact matches goes straight into the columns; -1, nothing written: the general path.
+            if row_writer(self._slots)(experience) < 0:
+                self._add(experience)
+            else:
+                self._advance(1)
+        finally:
+            lock.release()
+
+    def _add(self, experience: TensorDictBase | dict[str, Any]) -> None:
+        """:meth:`add`'s general path: convert, check against the spec, write."""
         if isinstance(experience, TensorDictBase) and experience.batch_dims:
             raise ArgumentError(
                 "add expects one transition (batch_size []), got batch_size "
@@ -286,6 +300,11 @@ class ReplayBuffer(RingEpochs, RingPersistence):
                 self._slots.extend({k: v[: rows % capacity] for k, v in leaves.items()})
             leaves = {k: v[rows - capacity :] for k, v in leaves.items()}
         self._slots.extend(leaves)
+        self._advance(rows)
+
+    def _advance(self, rows: int) -> None:
+        """Count ``rows`` rows written at the pointer (TorchRL's cursor advanced with them)."""
+        capacity = self._slots.capacity
         if self._priorities is not None:  # overwritten items leave, new ones enter at the max
             written = torch.arange(min(rows, capacity), device=self.storing_device)
             self._priorities.admit((self._pointer + rows - 1 - written) % capacity)
