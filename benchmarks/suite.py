@@ -56,6 +56,7 @@ import harness
 import nstep_check
 import numpy as np
 import peers
+import per_step
 import torch
 from harness import Workload, interleaved, micros, nbytes, rate, secs
 
@@ -348,6 +349,23 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
             work[peers.CPPRB] = Workload(peers.cpprb_writer(one, capacity), calls)
         work[peers.TORCHRL] = Workload(peers.torchrl_writer(one, capacity), max(calls // 5, 2))
         out["one_step"] = interleaved(work, cfg.repeats, loop)
+
+        # ---- ReplayBuffer.add of one transition, and the SB3 adapter, beside SB3's own calls
+        ring = ReplayBuffer("cpu", "cpu", capacity, storage="tensor", scratch_dir=scratch, seed=0)
+        closers.append(ring.close)
+        work = {
+            f"replaybuf add {inputs}": Workload(per_step.ring_add_writer(ring, one, inputs), calls)
+            for inputs in per_step.INPUTS
+        }
+        if have[peers.SB3]:
+            pair = per_step.sb3_pair(one, capacity)
+            closers.append(pair["close"])
+            work[peers.SB3] = Workload(pair["sb3 add"], calls)
+            work["sb3 adapter add"] = Workload(pair["adapter add"], calls)
+            samples = max(calls // 20, 2)
+            work["SB3 sample"] = Workload(pair["sb3 sample"], samples)
+            work["sb3 adapter sample"] = Workload(pair["adapter sample"], samples)
+        out["per_step"] = interleaved(work, cfg.repeats, loop)
 
         # ---- append_batch of 64 envs
         many = peers.StepPool(ENVS)
@@ -690,6 +708,22 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             )
         )
 
+    def ratio_row(label: str, peer: dict[str, Any] | None, r: float, factor: float) -> None:
+        """A per-call cost against SB3's own call in the same run (ratio: to SB3's)."""
+        s = med(peer)
+        rows.append(
+            Row(
+                label + " (ratio: to SB3's)",
+                "-" if s is None else f"SB3 {micros(s)}",
+                micros(r),
+                None if s is None else r / s,
+                "-",
+                "-",
+                f"<= {factor:g}x SB3's" if s is not None else "(info: no SB3)",
+                None if s is None else r <= factor * s,
+            )
+        )
+
     # ---- W4
     w = res["inserts"]
     one = w["one_step"]
@@ -718,6 +752,17 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             )
         )
         mark(one[peers.FLOOR], one[f"replaybuf {mode}"])
+    if "per_step" in w:  # absent in reports from before these rows
+        ps = w["per_step"]
+        peer = ps.get(peers.SB3)
+        for inputs in per_step.INPUTS:
+            r = med(ps[f"replaybuf add {inputs}"])
+            ratio_row(f"W4 1 step/call, ReplayBuffer.add, {inputs} inputs", peer, r, 1.0)
+        if peer is not None:
+            r = med(ps["sb3 adapter add"])
+            ratio_row("W4 1 step/call, SB3 adapter add", peer, r, 1.2)
+            theirs = ps["SB3 sample"]
+            ratio_row("SB3 adapter sample(256)", theirs, med(ps["sb3 adapter sample"]), 1.0)
     for key, label, impl, target in (
         ("envs_64", f"W4 append_batch {ENVS} envs, sync", "replaybuf sync", True),
         ("envs_64", f"W4 append_batch {ENVS} envs, async", "replaybuf async", False),

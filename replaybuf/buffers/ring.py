@@ -21,8 +21,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import NArg, check_seed, index_tensor, positive_int, seed_or_draw
-from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
+from replaybuf.args import check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
 from replaybuf.buffers.ring_state import RingPersistence
@@ -44,6 +43,7 @@ from replaybuf.storage import (
     key_name,
     resolve_device,
     resolve_kind,
+    row_writer,
     to_leaves,
 )
 
@@ -275,10 +275,23 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             make(*args)
 
     # ----------------------------------------------------------------- writes
-    @synchronized
     def add(self, experience: TensorDictBase | dict[str, Any]) -> None:
         """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
-        self._check_open()
+        lock = self._lock  # inline, as the per-step appends: the per-step hot path
+        lock.acquire()
+        try:
+            self._check_open()
+            # The row writer chosen for this storage (replaybuf.storage.ringrow): a dict of
+            # exact matches goes straight into the columns; -1, nothing written: the general path.
+            if row_writer(self._slots)(experience) < 0:
+                self._add(experience)
+            else:
+                self._advance(1)
+        finally:
+            lock.release()
+
+    def _add(self, experience: TensorDictBase | dict[str, Any]) -> None:
+        """:meth:`add`'s general path: convert, check against the spec, write."""
         if isinstance(experience, TensorDictBase) and experience.batch_dims:
             raise ArgumentError(
                 "add expects one transition (batch_size []), got batch_size "
@@ -343,6 +356,11 @@ class ReplayBuffer(RingEpochs, RingPersistence):
                 self._slots.extend({k: v[: rows % capacity] for k, v in leaves.items()})
             leaves = {k: v[rows - capacity :] for k, v in leaves.items()}
         self._slots.extend(leaves)
+        self._advance(rows)
+
+    def _advance(self, rows: int) -> None:
+        """Count ``rows`` rows written at the pointer (TorchRL's cursor advanced with them)."""
+        capacity = self._slots.capacity
         if self._priorities is not None:  # overwritten items leave, new ones enter at the max
             written = torch.arange(min(rows, capacity), device=self.storing_device)
             self._priorities.admit((self._pointer + rows - 1 - written) % capacity)
@@ -384,24 +402,6 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             return self._slots.gather(slots, self.device)
         finally:
             lock.release()
-
-    def as_dataset(
-        self,
-        batch_size: int,
-        *,
-        n: NArg | None = None,
-        seq_len: int | None = None,
-        gamma: float | None = None,
-        strict: bool = True,
-        prefetch: int = 0,
-    ) -> ReplayDataset:
-        """An endless ``torch.utils.data.IterableDataset`` of ``sample_batch(batch_size)``
-        batches; ``.loader()`` gives the ``DataLoader`` (see :mod:`replaybuf.buffers.dataset`).
-        ``n``, ``seq_len`` and ``gamma`` are refused: a ring of transitions has no episodes.
-        ``prefetch=k`` draws ``k`` batches ahead on a thread (:mod:`replaybuf.buffers.prefetch`)."""
-        batch_size = check_dataset_args(batch_size, strict)
-        ahead = {"prefetch": prefetch, "check": self._check_open, "device": self.device}
-        return transitions_dataset(self.sample_batch, batch_size, n, seq_len, gamma, **ahead)
 
     @synchronized
     def update_priorities(self, index: Any, priority: Any) -> int:

@@ -1,4 +1,5 @@
-"""A ``ReplayBuffer``'s epochs: every stored transition once per epoch, ObjectRL's iterator API.
+"""A ``ReplayBuffer``'s epochs (every stored transition once per epoch, ObjectRL's iterator API)
+and its endless dataset.
 
 A part of :class:`~replaybuf.buffers.ring.ReplayBuffer` (which inherits it), kept apart so that
 each module holds one concern. Each epoch is planned from the transitions stored when it
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from replaybuf.args import int_at_least, positive_int
+from replaybuf.args import NArg, int_at_least, positive_int
+from replaybuf.buffers.dataset import ReplayDataset, check_dataset_args, transitions_dataset
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.prefetch import Prefetcher, prefetching
 from replaybuf.core import epoch_batches, num_batches
@@ -197,3 +199,21 @@ class RingEpochs:
             return max_iter
         self.create_epoch_iterator(batch_size, n_epochs)
         return n_epochs * self.calculate_num_batches(batch_size)
+
+    def as_dataset(
+        self,
+        batch_size: int,
+        *,
+        n: NArg | None = None,
+        seq_len: int | None = None,
+        gamma: float | None = None,
+        strict: bool = True,
+        prefetch: int = 0,
+    ) -> ReplayDataset:
+        """An endless ``torch.utils.data.IterableDataset`` of ``sample_batch(batch_size)``
+        batches; ``.loader()`` gives the ``DataLoader`` (see :mod:`replaybuf.buffers.dataset`).
+        ``n``, ``seq_len`` and ``gamma`` are refused: a ring of transitions has no episodes.
+        ``prefetch=k`` draws ``k`` batches ahead on a thread (:mod:`replaybuf.buffers.prefetch`)."""
+        batch_size = check_dataset_args(batch_size, strict)
+        ahead = {"prefetch": prefetch, "check": self._check_open, "device": self.device}
+        return transitions_dataset(self.sample_batch, batch_size, n, seq_len, gamma, **ahead)

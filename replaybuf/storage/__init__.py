@@ -7,6 +7,7 @@ from replaybuf.storage.devices import NORMAL_TENSORS, resolve_device, resolve_ki
 from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.ragged import Ragged, RaggedColumn
+from replaybuf.storage.ringrow import RowWriter, row_writer
 from replaybuf.storage.schema import Field, FieldSpec, Key, key_name
 from replaybuf.storage.slots import SlotStorage
 from replaybuf.storage.space import free_bytes
@@ -25,6 +26,7 @@ __all__ = [
     "RaggedColumn",
     "RowPlan",
     "RowStager",
+    "RowWriter",
     "SlotStorage",
     "build_tensordict",
     "decode",
@@ -33,6 +35,7 @@ __all__ = [
     "nest",
     "resolve_device",
     "resolve_kind",
+    "row_writer",
     "to_device_async",
     "to_leaves",
 ]

@@ -136,13 +136,8 @@ class SlotStorage(SlotPlanning):
     def close(self) -> None:
         """Release storage and remove this storage's memmap files."""
         self._leaves, self._columns, self._index_column = [], {}, None
-        self.derived = {}
-        self._host_views = {}
-        self._row_words = None
-        self._index_known = 0
-        self._flat_names = None
-        self._direct = False
-        self._reserved = 0
+        self.derived, self._host_views, self._row_words = {}, {}, None
+        self._index_known, self._flat_names, self._direct, self._reserved = 0, None, False, 0
         if self.memory is not None:
             release(self.memory)  # its rows go now, not at the next garbage collection
         self.memory = None

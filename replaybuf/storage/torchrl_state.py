@@ -8,6 +8,7 @@ upgrade that moves them has one module to check. The public writer ``state_dict`
 
 from __future__ import annotations
 
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 import torch
@@ -117,3 +118,52 @@ def release(memory: TensorDictReplayBuffer) -> None:
     if isinstance(data, TensorDictBase):
         data.unlock_()  # drops its cache (the views that refer back to it)
         data.clear()
+
+
+class RowBookkeeping:
+    """What TorchRL's ``extend`` of one row records, written into the shared values behind its
+    writer's and storage's counters: the cursor and write count, the length, the last cursor
+    and the mutation revision (see :meth:`wrote`).
+
+    TorchRL keeps each counter in a ``multiprocessing.Value`` behind a property whose getter
+    and setter take that value's lock (several per counter and write, more than the copy of a
+    row). The buffer's own lock already covers every write, and a same-sized int is written
+    whole, so the values are read and written as the raw ``ctypes`` objects behind them
+    (``Synchronized.get_obj()``, multiprocessing's public API). :func:`row_bookkeeping`
+    gives this only where a TorchRL keeps its counters so.
+    """
+
+    def __init__(self, storage, values: list) -> None:
+        self.storage = storage
+        self.max_size = storage.max_size
+        self.cursor, self.writes, self.length, self.last, self.revision = values
+
+    def wrote(self, slot: int) -> None:
+        """Record one row written at ``slot``, the writer's cursor (as ``extend`` would)."""
+        self.storage._last_cursor = slot  # an int: every TorchRL reader takes it as the last slot
+        self.last.value = slot
+        length = self.length
+        if length.value < self.max_size:
+            length.value += 1
+        self.revision.value += 1
+        self.cursor.value = (slot + 1) % self.max_size
+        self.writes.value += 1
+
+
+def row_bookkeeping(memory: TensorDictReplayBuffer) -> RowBookkeeping | None:
+    """:class:`RowBookkeeping` of ``memory`` (allocated, a round-robin ring), or None where this
+    TorchRL keeps its counters otherwise (a compilable storage, renamed attributes)."""
+    writer, storage = memory.writer, memory.storage
+    shared = [
+        getattr(writer, "_cursor_value", None),
+        getattr(writer, "_write_count_value", None),
+        getattr(storage, "_len_value", None),
+        getattr(storage, "_last_cursor_index_value", None),
+        getattr(storage, "_mutation_revision_value", None),
+    ]
+    if getattr(writer, "_compilable", True) or getattr(storage, "_compilable", True):
+        return None
+    held = [value for value in shared if isinstance(value, Synchronized)]
+    if len(held) != len(shared) or writer.state_dict().keys() != {"_cursor", "_write_count"}:
+        return None
+    return RowBookkeeping(storage, [value.get_obj() for value in held])

@@ -1,0 +1,176 @@
+"""One transition written into a ring's next slot without building tensors: the fast path of
+``ReplayBuffer.add``.
+
+The general path (:func:`~replaybuf.storage.convert.to_leaves` or
+:meth:`~replaybuf.storage.schema.FieldSpec.match`, a ``[1, ...]`` view per field, the spec
+check, ``SlotStorage.extend`` with TorchRL's bookkeeping through its state dicts) makes a few
+dozen Python and torch calls per row. Here a dict whose every value already has its field's
+exact shape and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds)
+is checked whole, then each value is assigned into the numpy view of its column at TorchRL's
+writer cursor, and TorchRL's counters are advanced as its ``extend`` of one row would
+(:class:`~replaybuf.storage.torchrl_state.RowBookkeeping`). Anything else is declined, before
+anything is written, and takes the general path, which converts what it can and raises the
+precise error: this module never raises for a value and never writes a row it did not check
+whole.
+
+:func:`row_writer` chooses, once per allocated storage (kept in ``SlotStorage.derived``, which
+is emptied whenever the columns change), between :class:`RingRow` and :func:`declined`: the
+latter for a storage off the CPU, a field numpy cannot view (bfloat16), a nested spec, or a
+TorchRL that keeps its counters otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaybuf.storage.slots import SlotStorage
+from replaybuf.storage.torchrl_state import RowBookkeeping, row_bookkeeping
+
+_KEY = "storage.ringrow"  # its entry in SlotStorage.derived
+# What Tensor.numpy() raises for tensors it cannot view: RuntimeError (grad, conj/neg bits),
+# TypeError (sparse and other layouts).
+_NO_VIEW = (RuntimeError, TypeError)
+# Float fields a Python float goes into as numpy assigns it (float16 would warn on overflow
+# where torch silently stores inf: those take the general path).
+_FLOATS = (torch.float32, torch.float64)
+_STRIDED = torch.strided
+
+RowWriter = Callable[[Any], int]  # one transition -> the slot written, or -1: declined
+
+
+def declined(experience: Any) -> int:
+    """The row writer of a storage without the fast path: every row takes the general path."""
+    return -1
+
+
+class RingRow:
+    """Writes one transition, a flat dict of the spec's fields, at TorchRL's writer cursor."""
+
+    def __init__(
+        self,
+        slots: SlotStorage,
+        fields: list[tuple[str, torch.dtype, tuple[int, ...], np.ndarray]],
+        index: np.ndarray | None,
+        book: RowBookkeeping,
+    ) -> None:
+        # Per field: (name, torch dtype, shape, numpy dtype, numpy scalar type, the Python
+        # number type it takes (float, bool, int or None), and that number's limits).
+        self.fields: list[tuple[Any, ...]] = []
+        for name, dtype, shape, view in fields:
+            number: type | None = None
+            limits: tuple[float, float] = (0, -1)
+            if shape == ():
+                if dtype in _FLOATS:
+                    number = float
+                    # numpy warns where a float overflows the field (torch stores inf): those
+                    # beyond the largest finite value take the general path
+                    limits = (0, float(np.finfo(view.dtype).max))
+                elif dtype is torch.bool:
+                    number = bool
+                elif not dtype.is_floating_point and not dtype.is_complex:
+                    number = int
+                    info = np.iinfo(view.dtype)
+                    limits = (int(info.min), int(info.max))
+            self.fields.append((name, dtype, shape, view.dtype, view.dtype.type, number, limits))
+        self.views = [view for *_, view in fields]
+        self.count = len(fields)
+        self.slots = slots
+        self.index = index  # TorchRL's index column (each row's own slot), or None
+        self.book = book
+
+    def __call__(self, experience: Any) -> int:
+        """Write ``experience`` at the cursor and return its slot; -1 (nothing written) when
+        it is not a dict of exactly the spec's fields, each an exact match."""
+        if type(experience) is not dict or len(experience) != self.count:
+            return -1
+        values = []
+        try:
+            for name, dtype, shape, np_dtype, scalar, number, limits in self.fields:
+                value = experience[name]
+                kind = type(value)
+                if kind is np.ndarray:
+                    # `is` first: numpy's native dtypes are singletons, and cheaper to compare
+                    got = value.dtype
+                    if (got is not np_dtype and got != np_dtype) or value.shape != shape:
+                        return -1
+                elif kind is torch.Tensor:
+                    if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
+                        return -1
+                    if shape == ():
+                        if value.layout is not _STRIDED:
+                            return -1
+                        value = value.item()  # exact: a Python number holds any 0-d value
+                    else:
+                        value = value.numpy()  # refuses grad, conj/neg views, sparse
+                elif kind is scalar:  # a numpy scalar of the field's dtype
+                    if shape != ():
+                        return -1
+                elif kind is not number:  # bool is no int here: type() is exact
+                    return -1
+                elif kind is int:
+                    if not limits[0] <= value <= limits[1]:
+                        return -1
+                elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
+                    return -1
+                values.append(value)
+        except KeyError:  # a name the spec lacks (as many keys as fields): the general path
+            return -1
+        except _NO_VIEW:  # a tensor numpy cannot view: the general path detaches or refuses
+            return -1
+        slots, book = self.slots, self.book
+        slot = book.cursor.value
+        if slot >= slots._reserved:  # memmap files grow ahead of the rows (may raise: unwritten)
+            slots._reserve(slot + 1)
+        for view, value in zip(self.views, values, strict=True):
+            view[slot] = value
+        if slot >= slots._index_known and self.index is not None:
+            self.index[slot] = slot  # TorchRL's index column, written on the ring's first pass
+            if slot == slots._index_known:
+                slots._index_known = slot + 1
+        book.wrote(slot)
+        return slot
+
+
+def row_writer(slots: SlotStorage) -> RowWriter:
+    """The row writer for ``slots`` as it is now: chosen once per allocation of its columns."""
+    writer = slots.derived.get(_KEY)
+    if writer is None:
+        writer = slots.derived[_KEY] = _choose(slots)
+    return writer
+
+
+def _choose(slots: SlotStorage) -> RowWriter:
+    spec, memory = slots.spec, slots.memory
+    leaves = slots._leaves
+    if (
+        spec is None
+        or memory is None
+        or not leaves  # not allocated yet: the first write allocates through TorchRL
+        or not slots._direct
+        or slots.storing_device.type != "cpu"
+        or spec.ragged_keys
+        or any(len(key) != 1 for key in spec)
+        or len(leaves) != len(spec)
+    ):
+        return declined
+    fields = []
+    for key, column in leaves:
+        view = slots.host_view(key)
+        field = spec.get(key)
+        if view is None or field is None or column.dtype != field.dtype:
+            return declined
+        fields.append((key[0], field.dtype, field.shape, view))
+    index = slots._index_column
+    index_view = None
+    if index is not None:
+        if index.dtype != torch.int64 or index.dim() != 1:
+            return declined
+        index_view = index.numpy()
+    book = row_bookkeeping(memory)
+    if book is None or book.max_size != slots.capacity:
+        return declined
+    return RingRow(slots, fields, index_view, book)

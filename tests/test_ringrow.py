@@ -1,0 +1,263 @@
+"""``ReplayBuffer.add``'s fast row path (``replaybuf.storage.ringrow``) against the general path.
+
+The general path is the reference: for any input, good or bad, a buffer taking the fast path
+must store the same bytes, keep the same TorchRL bookkeeping and raise the same error (leaving
+everything as it was) as a buffer whose every add takes the general path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replaybuf import ReplayBuffer
+from replaybuf.storage import row_writer
+from replaybuf.storage.ringrow import RingRow, declined
+
+SPEC = {
+    "obs": ((3,), torch.float32),
+    "action": ((2,), torch.int64),
+    "reward": ((), torch.float32),
+    "done": ((), torch.bool),
+    "count": ((), torch.int16),
+    "value": ((), torch.float64),
+}
+FIRST = {
+    "obs": np.zeros(3, np.float32),
+    "action": np.zeros(2, np.int64),
+    "reward": 0.0,
+    "done": False,
+    "count": 0,
+    "value": 0.0,
+}
+
+
+def general_add(buf: ReplayBuffer, experience) -> None:
+    """``add`` through the general path only (the reference)."""
+    with buf._lock:
+        buf._check_open()
+        buf._add(experience)
+
+
+def state(buf: ReplayBuffer) -> dict:
+    """Everything a write may change: the stored bytes, TorchRL's counters, the ring's."""
+    slots = buf._slots
+    memory = slots.memory
+    rows = buf.size  # slots never written hold whatever the allocation left there
+    columns = {key: c[:rows].numpy().view(np.uint8).copy() for key, c in slots._leaves}
+    index = slots._index_column
+    return {
+        "columns": columns,
+        "index": None if index is None else index[:rows].numpy().copy(),
+        "writer": memory.writer.state_dict(),
+        "len": len(memory.storage),
+        "last": memory.storage._last_cursor_index,
+        "known": slots._index_known,
+        "ring": (buf.pointer, buf.size, buf._writes),
+    }
+
+
+def same_state(a: dict, b: dict) -> None:
+    assert a["columns"].keys() == b["columns"].keys()
+    for key in a["columns"]:
+        np.testing.assert_array_equal(a["columns"][key], b["columns"][key], err_msg=str(key))
+    np.testing.assert_array_equal(a["index"], b["index"])
+    assert {k: v for k, v in a.items() if k not in ("columns", "index")} == {
+        k: v for k, v in b.items() if k not in ("columns", "index")
+    }
+
+
+def _outcome(add, buf, experience):
+    try:
+        add(buf, experience)
+    except Exception as exc:  # the same error, type and message, on both paths
+        return type(exc), str(exc)
+    return None
+
+
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=64) | st.sampled_from(
+    [1e39, -1e39, 3.4028235e38, 5e-324, -0.0]
+)
+INTS = st.integers(-(2**63) - 5, 2**63 + 5) | st.integers(-40000, 40000)
+
+
+@st.composite
+def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
+    """A value for a field: an exact match in any input form, or (unless ``exact``) maybe a
+    near miss."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    numel = int(np.prod(shape))
+    exact_kinds = ["numpy", "tensor", "number", "npscalar"]
+    kind = draw(
+        st.sampled_from(exact_kinds)
+        if exact
+        else st.sampled_from(
+            [
+                *exact_kinds,
+                "float",
+                "int",
+                "bool",
+                "wrong dtype",
+                "wrong shape",
+                "grad",
+                "strided",
+                "list",
+                "none",
+                "text",
+            ]
+        )
+    )
+    if dtype.is_floating_point:
+        raw = np.array(draw(st.lists(FLOATS, min_size=numel, max_size=numel)), np.float64)
+        with np.errstate(over="ignore"):
+            base = raw.astype(np_dtype).reshape(shape)
+    elif dtype is torch.bool:
+        base = np.array(draw(st.lists(st.booleans(), min_size=numel, max_size=numel)))
+        base = base.reshape(shape)
+    else:
+        info = np.iinfo(np_dtype)
+        ints = st.integers(int(info.min), int(info.max))
+        base = np.array(draw(st.lists(ints, min_size=numel, max_size=numel)), np_dtype)
+        base = base.reshape(shape)
+    if kind == "numpy":
+        return base.copy()
+    if kind == "tensor":
+        return torch.from_numpy(base.copy())
+    if kind == "number":
+        return base.item() if shape == () else base.copy()
+    if kind == "npscalar":
+        return base[()] if shape == () else base.copy()
+    if kind == "float":
+        return draw(FLOATS)
+    if kind == "int":
+        return draw(INTS)
+    if kind == "bool":
+        return draw(st.booleans())
+    if kind == "wrong dtype":
+        other = draw(st.sampled_from([np.float16, np.float64, np.int32, np.uint8, np.bool_]))
+        with np.errstate(all="ignore"):
+            cast = base.astype(other)
+        return torch.from_numpy(cast) if draw(st.booleans()) else cast
+    if kind == "wrong shape":
+        return torch.zeros((*shape, 1), dtype=dtype)
+    if kind == "grad":
+        if not dtype.is_floating_point:
+            return torch.from_numpy(base.copy())
+        return torch.from_numpy(base.copy()).requires_grad_()
+    if kind == "strided":  # a non-contiguous view of the right shape
+        wide = np.repeat(base[..., None], 2, axis=-1)[..., 0] if shape else base.copy()
+        return torch.from_numpy(wide) if draw(st.booleans()) else wide
+    if kind == "list":
+        return base.tolist()
+    if kind == "none":
+        return None
+    return "text"
+
+
+@st.composite
+def experiences(draw):
+    """A transition: every field, maybe a key missing, an extra one or a nested dict."""
+    exact = draw(st.booleans())  # half the transitions are exact matches throughout
+    out = {name: draw(values(shape, dtype, exact)) for name, (shape, dtype) in SPEC.items()}
+    change = draw(st.sampled_from(["none"] * 6 + ["missing", "extra", "renamed", "not a dict"]))
+    if change == "missing":
+        out.pop(draw(st.sampled_from(sorted(out))))
+    elif change == "extra":
+        out["extra"] = 1.0
+    elif change == "renamed":
+        out["other"] = out.pop(draw(st.sampled_from(sorted(out))))
+    elif change == "not a dict":
+        return list(out.values())
+    return out
+
+
+def pair(tmp_path, storage: str, capacity: int, prioritized: bool):
+    bufs = []
+    for name in ("fast", "general"):
+        buf = ReplayBuffer(
+            "cpu",
+            "cpu",
+            capacity,
+            storage=storage,
+            scratch_dir=tmp_path if storage == "memmap" else None,
+            seed=0,
+            prioritized=prioritized,
+            spec=SPEC,
+        )
+        buf.add(dict(FIRST)) if name == "fast" else general_add(buf, dict(FIRST))
+        bufs.append(buf)
+    return bufs
+
+
+@pytest.mark.parametrize(
+    ("storage", "capacity", "prioritized"),
+    [("tensor", 5, False), ("memmap", 7, False), ("tensor", 4, True)],
+)
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(steps=st.lists(experiences(), min_size=1, max_size=12))
+def test_fast_path_stores_and_refuses_as_the_general_path(
+    tmp_path, storage, capacity, prioritized, steps
+):
+    fast, general = pair(tmp_path, storage, capacity, prioritized)
+    try:
+        assert isinstance(row_writer(fast._slots), RingRow)
+        for experience in steps:
+            got = _outcome(ReplayBuffer.add, fast, experience)
+            want = _outcome(general_add, general, experience)
+            assert got == want
+            same_state(state(fast), state(general))
+        if prioritized:
+            assert torch.equal(fast.sample_batch(8)["index"], general.sample_batch(8)["index"])
+        else:
+            batch, reference = fast.sample_all(), general.sample_all()
+            for key in SPEC:
+                assert batch[key].numpy().tobytes() == reference[key].numpy().tobytes()
+    finally:
+        fast.close()
+        general.close()
+
+
+def test_fast_path_is_taken_for_exact_inputs_and_declines_the_rest():
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
+        assert row_writer(buf._slots) is declined  # nothing allocated: the first write is general
+        buf.add(dict(FIRST))
+        writer = row_writer(buf._slots)
+        assert isinstance(writer, RingRow)
+        exact = {
+            "obs": torch.ones(3),
+            "action": np.array([1, 2]),
+            "reward": torch.tensor(0.5),
+            "done": np.bool_(True),
+            "count": 7,
+            "value": 2.5,
+        }
+        assert writer(exact) == 1
+        assert writer({**exact, "count": 2.0}) == -1  # a float into an int field: general path
+        assert writer({**exact, "obs": torch.ones(3, dtype=torch.float64)}) == -1
+        assert buf.memory.writer.state_dict() == {"_cursor": 2, "_write_count": 2}
+
+
+def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor") as buf:
+        buf.add({"x": torch.zeros(2)})
+        first = row_writer(buf._slots)
+        buf.reset()
+        buf.add({"x": torch.zeros(3)})
+        second = row_writer(buf._slots)
+        assert isinstance(second, RingRow)
+        assert second is not first
+        buf.add({"x": torch.ones(3)})
+        assert buf.size == 2
+        assert buf.sample_all()["x"].tolist() == [[0.0] * 3, [1.0] * 3]
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor") as buf:
+        buf.add({"x": torch.zeros(2, dtype=torch.bfloat16)})
+        assert row_writer(buf._slots) is declined  # numpy has no bfloat16 view
+        buf.add({"x": torch.ones(2, dtype=torch.bfloat16)})
+        assert buf.size == 2
