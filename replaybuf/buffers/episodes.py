@@ -41,6 +41,7 @@ from replaybuf.episodes import (
     final_rows_for,
     update_priorities,
 )
+from replaybuf.episodes.bulk import checked_ends, checked_starts, end_many, start_many
 from replaybuf.errors import ArgumentError, ArgumentTypeError, BufferClosedError, EmptyBufferError
 from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
@@ -204,6 +205,15 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             raise ArgumentTypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
         return self._core.start(agent_id)
 
+    @synchronized
+    def start_episodes(self, count: int, agent_id: str = "default") -> list[int]:
+        """Start ``count`` episodes (a vector env's resets) and return their ids, in order:
+        what ``count`` calls of :meth:`start_episode` do (``count`` at most ``max_episodes``),
+        in one call."""
+        self._check_open()
+        checked_starts(count, agent_id, self.max_episodes)
+        return start_many(self._core, count, agent_id)
+
     def append_observation_action_reward(
         self,
         episode_id: int,
@@ -299,6 +309,27 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
         if core.end_one(episode, end_kind, final_observation):
             return
         core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
+
+    @synchronized
+    def end_episodes(
+        self,
+        episode_ids: Sequence[int],
+        statuses: str | Sequence[str] = "terminated",
+        final_observations: Any = None,
+    ) -> None:
+        """End several episodes at once (a vector env's dones): ``statuses`` one status for
+        all or one per episode, ``final_observations`` batched ``[len(episode_ids), ...]`` as
+        :meth:`append_batch` takes observations.
+
+        What a loop of :meth:`end_episode` does, except that no episode of the call is evicted
+        to make room for another's final row. Everything is checked before anything is
+        applied: a bad id, status or final observation raises naming the argument and the
+        index, with the buffer unchanged.
+        """
+        self._check_open()
+        checked = checked_ends(self._core, episode_ids, statuses, final_observations)
+        if checked is not None:
+            end_many(self._core, *checked)
 
     # ----------------------------------------------------------------- sampling
     def _chosen_paths(self) -> Paths:
