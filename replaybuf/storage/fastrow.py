@@ -2,12 +2,11 @@
 
 A step whose every value already has its field's exact shape and dtype (CPU tensors, numpy
 arrays, or Python numbers the field holds) is copied straight into the staging columns through
-numpy views (a CPU tensor with one ``copy_`` into a kept view of the row: a ``numpy()`` view of
-it costs more than the rest of the step). The general path (``to_leaves``, a 0-d tensor per
-number, ``unsqueeze`` and ``copy_`` per field) makes several torch calls per field, each
-costing far more than a numpy item assignment. Anything else is declined here and takes the
-general path, which converts what it can and raises the precise error; so this module never
-raises and never changes anything stored.
+numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
+``copy_`` per field) makes several torch calls per field, each costing far more than a numpy
+item assignment. Anything else is declined here and takes the general path, which converts what
+it can and raises the precise error; so this module never raises and never changes anything
+stored.
 ``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
 """
 
@@ -48,16 +47,11 @@ class RowPlan:
         # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
         # its staging column's numpy view, whether a Python float goes straight in).
         self.fields: list[tuple[Any, ...]] = []
-        # Per field: its staging column's row views, made as rows are first used (None: not
-        # yet), which a CPU tensor is copied into (see stage).
-        self.row_views: list[list[torch.Tensor | None]] = []
         for (arg, name), key, array in zip(sources, spec, arrays, strict=True):
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
             self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
-            self.row_views.append([None] * len(array))
-        self._columns = [torch.from_numpy(array) for array in arrays]
-        self._stage_fields = list(zip(self.fields, self.row_views, self._columns, strict=True))
+        self._columns = [torch.from_numpy(array) for array in arrays]  # put_finals' tensors
         self.extras = {name for arg, name in sources if arg == 3}
         self.arrays = arrays
         # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
@@ -92,42 +86,24 @@ class RowPlan:
         On False some columns' row ``at`` may hold this step's values: the caller has not
         staged that row yet, so nothing it holds changed. This is the per-step hot path, so the
         exact matches the callers pass most (numpy arrays, CPU tensors, floats) are tested
-        inline and the rest go through :func:`fast_value`; a CPU tensor is copied with one
-        ``copy_`` into a kept view of the row.
+        inline and the rest go through :func:`fast_value`.
         """
         extras = step[3]
-        if extras is None:
-            if self.extras:
-                return False
-        elif type(extras) is not dict or extras.keys() != self.extras:
+        if not self._extras_fit(extras):
             return False
-        for field, views, column in self._stage_fields:
-            arg, name, shape, dtype, np_dtype, array, takes_float = field
+        for arg, name, shape, dtype, np_dtype, array, takes_float in self.fields:
             value = step[arg] if name is None else extras[name]
             kind = type(value)
             if kind is np.ndarray:
                 if value.dtype != np_dtype or value.shape != shape:
                     return False
             elif kind is torch.Tensor:
-                # Copied into a kept view of the row (copy_ handles strides and neg or conj
-                # views): a numpy() view of the tensor costs more than the rest of the step.
-                # Grad is declined: copy_ would record the staging column in the graph (the
-                # general path detaches).
-                try:  # a tensor copy_ refuses (sparse, no storage) goes to the general path
-                    if (
-                        value.dtype is not dtype
-                        or value.shape != shape
-                        or not value.is_cpu
-                        or value.requires_grad
-                    ):
-                        return False
-                    view = views[at]
-                    if view is None:
-                        view = views[at] = _row_view(column, at)
-                    view.copy_(value)
-                except _NO_VIEW:
+                if value.dtype is not dtype or not value.is_cpu or value.shape != shape:
                     return False
-                continue
+                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
+                    value = value.numpy()
+                except _NO_VIEW:
+                    return False  # the general path detaches and copies, or refuses, those
             elif not (kind is float and takes_float):
                 value = fast_value(value, shape, dtype, np_dtype)
                 if value is None:
@@ -235,13 +211,6 @@ class RowPlan:
                 return None
             out.append(value)
         return out
-
-
-def _row_view(column: torch.Tensor, at: int) -> torch.Tensor:
-    """Row ``at`` of a staging column, a normal tensor whatever the inference mode (it is
-    written in place later, maybe outside it)."""
-    with torch.inference_mode(False):
-        return column[at]
 
 
 def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype: Any) -> Any:
