@@ -1094,6 +1094,25 @@ def episode_writer(
     return write
 
 
+def bulk_episode_writer(
+    buf: SyncEpisodeReplayBuffer, pool: StepPool, envs: int, length: int
+) -> Callable[[], None]:
+    """A vector env of ``envs`` episodes of ``length`` steps: ``append_batch`` each step, and
+    every ``length`` steps ``end_episodes`` of all of them and ``start_episodes`` of new ones."""
+    turn = Turn(pool.size)
+    state: dict[str, Any] = {"ids": buf.start_episodes(envs), "t": 0}
+
+    def write() -> None:
+        i = turn()
+        buf.append_batch(state["ids"], pool.obs[i], pool.action[i], pool.reward[i])
+        state["t"] += 1
+        if state["t"] == length:
+            buf.end_episodes(state["ids"], "truncated", pool.obs[(i + 1) % pool.size])
+            state["ids"], state["t"] = buf.start_episodes(envs), 0
+
+    return write
+
+
 def async_episode_writer(
     buf: EpisodeReplayBuffer, pool: StepPool, envs: int, length: int, numpy: bool = False
 ) -> Callable[[], Any]:

@@ -22,7 +22,8 @@ Workloads (single-threaded, ``torch.set_num_threads(1)``; CPU; in-RAM storages u
       written one episode after another, as the floor and the peers store them (and, for
       information, every episode at once, as a vector env writes them);
 * W4  inserts: one step per call (numpy inputs, as SB3's ``add`` gets them; sync also on
-      torch tensors), ``append_batch`` of 64 envs, 1,000-row chunks;
+      torch tensors), ``append_batch`` of 64 envs, 1,000-row chunks, and 1,000 envs of
+      20-step episodes ended and started in bulk (``end_episodes``/``start_episodes``);
 * W5  one shuffled epoch over 1M transitions in batches of 256;
 * scaling: W1 sampling from 10^4 to 10^7 stored steps, n-step sampling from 10 to 10^5
   stored episodes (same total steps).
@@ -401,6 +402,10 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
             4 * CHUNK * 20, 8 * CHUNK, storage="tensor", scratch_dir=scratch, seed=0
         )
         closers.append(wide.close)
+        bulk = SyncEpisodeReplayBuffer(
+            4 * CHUNK * 20, 8 * CHUNK, storage="tensor", scratch_dir=scratch, seed=0
+        )
+        closers.append(bulk.close)
         calls = cfg.chunk_calls
         work = {
             peers.FLOOR: Workload(peers.floor_writer(chunk, capacity), calls, CHUNK),
@@ -409,6 +414,11 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
             ),
             "replaybuf append_batch 1000 envs": Workload(
                 peers.episode_writer(wide, chunk, CHUNK, 20), calls, CHUNK
+            ),
+            # The same 20-step episodes ended and started in bulk (end_episodes and
+            # start_episodes; evictions included), a vector env's resets.
+            "replaybuf 1000 envs bulk ends": Workload(
+                peers.bulk_episode_writer(bulk, chunk, CHUNK, 20), calls, CHUNK
             ),
         }
         if have[peers.CPPRB]:
@@ -770,8 +780,12 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
          True),
         ("chunk_1000", f"W4 {CHUNK:,}-row chunks, append_batch {CHUNK:,} envs",
          "replaybuf append_batch 1000 envs", False),
+        ("chunk_1000", f"W4 {CHUNK:,} envs, 20-step episodes, ends and evictions (bulk)",
+         "replaybuf 1000 envs bulk ends", False),
     ):  # fmt: skip
         t = w[key]
+        if impl not in t:  # absent in reports from before the bulk calls
+            continue
         f, r = med(t[peers.FLOOR]), med(t[impl])
         bname, bval = best_of(t, PEERS)
         rows.append(

@@ -4,6 +4,7 @@ then a check that they agree. Shared by the plain and the frame-stacking propert
 from __future__ import annotations
 
 import pytest
+import torch
 from episode_helpers import (
     assert_counts_agree,
     assert_episode_record,
@@ -95,6 +96,26 @@ class Program:
                 lambda: self.buf.end_episode(e, status, final_observation=final),
                 lambda: self.ref.end(e, status, final),
             )
+
+    def start_many(self, count: int) -> None:
+        """``start_episodes`` (at most max_episodes at once)."""
+        count = min(count, self.buf.max_episodes or count)
+        ids = self.buf.start_episodes(count)
+        assert ids == [self.ref.start("default") for _ in range(count)]
+
+    def end_many(self, picks: list[int], statuses: list[str]) -> None:
+        """``end_episodes`` of some running episodes, a status each (or one for all)."""
+        running = self.running()
+        ids = sorted({running[p % len(running)] for p in picks}) if running else []
+        if not ids:
+            return
+        each = [statuses[i % len(statuses)] for i in range(len(ids))]
+        finals = [final_obs(e, self.ref.episodes[e].steps) for e in ids]
+        given = each[0] if len(set(each)) == 1 else each
+        self.both(
+            lambda: self.buf.end_episodes(ids, given, torch.stack(finals)),
+            lambda: self.ref.end_many(ids, each, finals),
+        )
 
     def sample_all(self, n: int, gamma: float) -> None:
         if len(self.ref.valid_pairs()) == 0:

@@ -22,6 +22,7 @@ computed in float64 with plain loops.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +215,20 @@ class ReferenceBuffer:
             self._make_room(0, 1, 0, {episode_id})
         e.status = status
         e.final_observation = final_observation
+
+    def end_many(self, episode_ids: list[int], statuses: list[str], finals: list[Any]) -> None:
+        """``end_episodes``: :meth:`end` for each in turn, no episode of the call evicted for
+        another's final row; all or nothing (a refusal changes nothing)."""
+        trial = copy.deepcopy(self)
+        protected = set(episode_ids)
+        for episode_id, status, final in zip(episode_ids, statuses, finals, strict=True):
+            e = trial.episodes[episode_id]
+            assert not e.ended
+            if e.steps:
+                trial._make_room(0, 1, 0, protected)
+            e.status = TERMINATED if status.lower() in ("terminated", "completed") else TRUNCATED
+            e.final_observation = final
+        self.__dict__.update(trial.__dict__)
 
     # ----------------------------------------------------------------- expectations
     def observation(self, episode_id: int, t: int) -> Any:

@@ -57,6 +57,12 @@ operations = st.one_of(
     st.tuples(st.just("append"), picks, st.integers(1, 4)),
     st.tuples(st.just("append_batch"), st.lists(picks, min_size=1, max_size=3), st.integers(1, 3)),
     st.tuples(st.just("end"), picks, st.sampled_from(["terminated", "truncated", "COMPLETED"])),
+    st.tuples(st.just("start_many"), st.integers(1, 3)),
+    st.tuples(
+        st.just("end_many"),
+        st.lists(picks, min_size=1, max_size=4),
+        st.lists(st.sampled_from(["terminated", "truncated"]), min_size=1, max_size=2),
+    ),
     st.tuples(st.just("sample_all"), st.integers(1, 5), gammas),
     st.tuples(st.just("sample"), n_args, gammas),
     st.tuples(st.just("sequences"), st.integers(1, 4), st.booleans()),

@@ -411,3 +411,31 @@ def test_a_batch_of_tensors_is_copied_in_one_call_and_anything_else_through_nump
     for a, b in zip(*stored, strict=True):
         assert fields_equal(a, b)
     assert stored[0][2]["reward"].tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(17, dtype=torch.float32),
+        lambda: torch.arange(34, dtype=torch.float32)[::2],  # strided
+        lambda: torch._neg_view(torch.arange(17, dtype=torch.float32)),  # neg bit
+        lambda: torch._efficientzerotensor(17),  # no memory
+        lambda: torch.arange(17, dtype=torch.float32).requires_grad_(),  # declined: detached
+    ],
+)
+def test_tensor_observations_are_copied_as_the_general_path_stores_them(make):
+    """The per-step path copies a CPU tensor into a kept view of its staging row; whatever the
+    tensor's strides, neg bit, memory or grad, the stored row is the general path's."""
+    fast = SyncEpisodeReplayBuffer(100, storage="tensor")
+    slow = general_path_only(SyncEpisodeReplayBuffer(100, storage="tensor"))
+    for buf in (fast, slow):
+        e = buf.start_episode()
+        for t in range(3):
+            buf.append_observation_action_reward(e, torch.full((17,), float(t)), t, 0.5)
+        obs = make()
+        buf.append_observation_action_reward(e, obs, 3, 1.0)
+        buf.end_episode(e, "terminated", torch.zeros(17))
+    assert fields_equal(fast.get_episode(0), slow.get_episode(0))
+    expected = make().detach().clone()  # a zero tensor materialized
+    assert torch.equal(fast.get_episode(0)["observation"][3], expected)
+    assert not fast._core.slots.memory.storage["observation"].requires_grad

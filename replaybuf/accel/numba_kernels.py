@@ -491,3 +491,7 @@ def place_batches(
         if backward:
             prev_row[row] = source
         sources[i] = source
+
+
+# Exported with the other kernels (its own module keeps this one under the line limit).
+from replaybuf.accel.numba_groups import remove_anchor_groups as remove_anchor_groups  # noqa: E402

@@ -243,6 +243,20 @@ class EpisodeReplayBuffer:
     ) -> None:
         await self._write(self._sync.end_episode, episode_id, status, final_observation)
 
+    async def start_episodes(self, count: int, agent_id: str = "default") -> list[int]:
+        """Start ``count`` episodes at once (see :meth:`SyncEpisodeReplayBuffer.start_episodes`)."""
+        return await self._write(self._sync.start_episodes, count, agent_id)
+
+    async def end_episodes(
+        self,
+        episode_ids: Sequence[int],
+        statuses: str | Sequence[str] = "terminated",
+        final_observations: Any = None,
+    ) -> None:
+        """End several episodes at once (see :meth:`SyncEpisodeReplayBuffer.end_episodes`):
+        under cancellation, all of them ended or none."""
+        await self._write(self._sync.end_episodes, episode_ids, statuses, final_observations)
+
     # ----------------------------------------------------------------- reads
     async def sample_n_step(
         self,

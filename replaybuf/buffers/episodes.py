@@ -29,6 +29,7 @@ from replaybuf.args import (
     seed_or_draw,
 )
 from replaybuf.buffers.episode_epochs import EpisodeEpochs
+from replaybuf.buffers.episode_records import EpisodeRecords
 from replaybuf.buffers.episode_state import EpisodePersistence
 from replaybuf.buffers.locking import synchronized
 from replaybuf.episodes import (
@@ -40,6 +41,7 @@ from replaybuf.episodes import (
     final_rows_for,
     update_priorities,
 )
+from replaybuf.episodes.bulk import checked_ends, checked_starts, end_many, start_many
 from replaybuf.errors import ArgumentError, ArgumentTypeError, BufferClosedError, EmptyBufferError
 from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
@@ -48,9 +50,7 @@ from replaybuf.sampling import (
     check_layout,
     check_ragged_form,
     choose,
-    episode_record,
     seed_key,
-    torchrl_episode,
     torchrl_transitions,
 )
 from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
@@ -61,7 +61,7 @@ KIND = "EpisodeReplayBuffer"
 _APPEND_ONE = "append_observation_action_reward"  # what errors of the one-step append name
 
 
-class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
+class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence):
     """Episodes written step by step, sampled as n-step transitions, sequences or episodes.
 
     Args:
@@ -206,6 +206,15 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             raise ArgumentTypeError(f"agent_id must be a str, got {type(agent_id).__name__}")
         return self._core.start(agent_id)
 
+    @synchronized
+    def start_episodes(self, count: int, agent_id: str = "default") -> list[int]:
+        """Start ``count`` episodes (a vector env's resets) and return their ids, in order:
+        what ``count`` calls of :meth:`start_episode` do (``count`` at most ``max_episodes``),
+        in one call."""
+        self._check_open()
+        checked_starts(count, agent_id, self.max_episodes)
+        return start_many(self._core, count, agent_id)
+
     def append_observation_action_reward(
         self,
         episode_id: int,
@@ -302,6 +311,27 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             return
         core.end(episode, end_kind, core.final_row_data(final_observation, "end_episode"))
 
+    @synchronized
+    def end_episodes(
+        self,
+        episode_ids: Sequence[int],
+        statuses: str | Sequence[str] = "terminated",
+        final_observations: Any = None,
+    ) -> None:
+        """End several episodes at once (a vector env's dones): ``statuses`` one status for
+        all or one per episode, ``final_observations`` batched ``[len(episode_ids), ...]`` as
+        :meth:`append_batch` takes observations.
+
+        What a loop of :meth:`end_episode` does, except that no episode of the call is evicted
+        to make room for another's final row. Everything is checked before anything is
+        applied: a bad id, status or final observation raises naming the argument and the
+        index, with the buffer unchanged.
+        """
+        self._check_open()
+        checked = checked_ends(self._core, episode_ids, statuses, final_observations)
+        if checked is not None:
+            end_many(self._core, *checked)
+
     # ----------------------------------------------------------------- sampling
     def _chosen_paths(self) -> Paths:
         """The sampling paths for this buffer's configuration (:mod:`replaybuf.sampling.paths`)."""
@@ -393,47 +423,6 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             raise ArgumentError("set_beta needs a buffer made with prioritized=True")
         self._core.priorities.beta = check_beta(beta)
 
-    # ----------------------------------------------------------------- episodes
-    @synchronized
-    def get_episode(self, episode_id: int, *, layout: str | None = None) -> TensorDict:
-        """The whole stored episode (see :func:`replaybuf.sampling.records.episode_record`;
-        with ``layout="torchrl"``, its transitions: :func:`~replaybuf.sampling.layout.
-        torchrl_episode`)."""
-        torchrl = self._torchrl(layout)
-        self._check_open()
-        episode = self._core.live(episode_id, "get")
-        self._core.flush()
-        record = episode_record(self._core, episode, self.device, self.ragged)
-        return torchrl_episode(record) if torchrl else record
-
-    @synchronized
-    def sample_episodes(
-        self, k: int, *, replace: bool = False, layout: str | None = None
-    ) -> list[TensorDict]:
-        """``k`` whole episodes drawn uniformly (distinct unless ``replace``; fewer if fewer)."""
-        k = positive_int(k, "k")
-        torchrl = self._torchrl(layout)
-        self._check_open()
-        ids = list(self._core.episodes)
-        if not ids:
-            raise EmptyBufferError("cannot sample episodes: the buffer holds none")
-        if replace:  # k draws of episodes of the mean stored length
-            length = -(-self._core.steps // len(ids)) + 1
-            self._ensure_fits(k, length * transition_bytes(self.spec, self.frame_stack or 1))
-            picks = torch.randint(
-                0, len(ids), (k,), generator=self._generator, device=self.storing_device
-            )
-        else:
-            picks = torch.randperm(len(ids), generator=self._generator, device=self.storing_device)[
-                :k
-            ]
-        self._core.flush()
-        records = [
-            episode_record(self._core, self._core.episodes[ids[i]], self.device, self.ragged)
-            for i in picks.tolist()
-        ]
-        return [torchrl_episode(r) for r in records] if torchrl else records
-
     def _torchrl(self, layout: str | None) -> bool:
         """Whether a batch goes out in TorchRL's layout (``layout`` None: the buffer's)."""
         return (self.layout if layout is None else check_layout(layout)) == "torchrl"
@@ -451,12 +440,6 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodePersistence):
             "frame_stack": self.frame_stack,
         }
         return {**core_stats(self._core), **config}
-
-    @synchronized
-    def episode_ids(self) -> list[int]:
-        """The ids of the stored episodes (evicted ones are gone), in start order."""
-        self._check_open()
-        return sorted(self._core.episodes, key=lambda e: self._core.episodes[e].seq)
 
     @synchronized
     def clear(self) -> None:

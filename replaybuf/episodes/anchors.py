@@ -129,6 +129,19 @@ class AnchorSet:
         present = at >= 0
         self._remove(rows[present], at[present])
 
+    def remove_present_groups(self, rows: np.ndarray, ends: np.ndarray) -> None:
+        """:meth:`remove_present` for each group of ``rows`` in turn (group g ends at
+        ``ends[g]``): the set ends as after one call per group, in one compiled call."""
+        if self._kernels is not None:
+            old = np.ascontiguousarray(rows, dtype=np.int64)
+            bounds = np.ascontiguousarray(ends, dtype=np.int64)
+            self.count = self._kernels.remove_anchor_groups(old, bounds, *self._host, self.count)
+            return
+        begin = 0
+        for end in ends.tolist():
+            self.remove_present(rows[begin:end])
+            begin = end
+
     @property
     def on_host(self) -> bool:
         """Whether draws read the host columns (no device copy): :meth:`sample_host` works."""

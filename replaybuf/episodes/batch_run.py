@@ -46,6 +46,7 @@ class BatchRun:
         self.packed = 0  # of ``batches``, how many are in the staged bookkeeping
         self.settled = 0  # ... and in their episodes' ``own`` arrays
         self.allocations = allocations
+        self.protected: set[int] | None = None  # the episodes' ids, once an eviction asks
         for episode in episodes:
             episode.run = self
 
@@ -120,14 +121,20 @@ class Packed:
         self.ends, self.allocations = array("q"), array("q")
         self.sources, self.targets = array("q"), array("q")  # links: row -> next row
 
-    def add_rows(self, rows: Ints, episodes: Ints, steps: Ints, allocation: int) -> None:
-        """New rows of episodes in progress, allocated in order from ``allocation`` (int64
-        arrays or contiguous numpy arrays)."""
+    def add_rows(
+        self, rows: Ints, episodes: Ints, steps: Ints, allocation: int, ends: Ints | None = None
+    ) -> None:
+        """New rows, allocated in order from ``allocation`` (int64 arrays or contiguous numpy
+        arrays): of episodes in progress, or with ``ends`` the final rows of episodes ending
+        with those end kinds."""
         count = len(rows)
         self.rows.frombytes(_bytes(rows))
         self.episodes.frombytes(_bytes(episodes))
         self.steps.frombytes(_bytes(steps))
-        self.ends.frombytes(bytes(8 * count))  # END_NONE
+        if ends is None:
+            self.ends.frombytes(bytes(8 * count))  # END_NONE
+        else:
+            self.ends.frombytes(_bytes(ends))
         numbers = np.arange(allocation, allocation + count, dtype=np.int64)
         self.allocations.frombytes(_bytes(numbers))
 

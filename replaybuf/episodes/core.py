@@ -148,6 +148,10 @@ class EpisodeCore:
         self._first_obs_spec: FieldSpec | None = None
         # Per length, the id of the last episode found with that many valid steps (holds_steps)
         self._witness: dict[int, int] = {}
+        # Whether the bulk paths (end_many's batched final rows, evictions of several episodes
+        # in one pass) run; False runs them one episode at a time, the reference the tests
+        # compare them with (the results are the same).
+        self.batched = True
 
     # ----------------------------------------------------------------- lookup
     def holds_steps(self, length: int) -> bool:
@@ -318,7 +322,7 @@ class EpisodeCore:
             or len(self.free) < count
             or (cap and len(self.episodes) > cap)
         ):
-            make_room(self, count, count, 0, {e.episode_id for e in episodes})  # may refuse
+            make_room(self, count, count, 0, self._protected(episodes))  # may refuse
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = assign_rows(self, episodes)
         if count <= stager.capacity:  # the usual: one part, not sliced
@@ -333,6 +337,16 @@ class EpisodeCore:
             end = min(begin + stager.capacity, count)
             stager.put([value[begin:end] for value in values], rows[begin:end])
         return True
+
+    def _protected(self, episodes: list[Episode]) -> set[int]:
+        """The ids of ``episodes``, which an eviction for their own steps must spare (kept by
+        the batch run while they are its episodes: a vector env's every step)."""
+        run = self._run
+        if run is not None and episodes is run.episodes:
+            if run.protected is None:
+                run.protected = set(run.episode_ids)
+            return run.protected
+        return {episode.episode_id for episode in episodes}
 
     def repeat_batch(self, episode_ids: list[Any]) -> list[Episode] | None:
         """The episodes of the last ``append_batch`` if ``episode_ids`` names them again (plain

@@ -51,6 +51,7 @@ class RowPlan:
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
             self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
+        self._columns = [torch.from_numpy(array) for array in arrays]  # put_finals' tensors
         self.extras = {name for arg, name in sources if arg == 3}
         self.arrays = arrays
         # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
@@ -122,6 +123,41 @@ class RowPlan:
                 return False
             array[at] = value
         return True
+
+    def final_batch(self, count: int, observations: Any) -> Any:
+        """``observations`` if it is ``count`` final observations as :meth:`put_finals` takes
+        them (a numpy array, or a strided CPU tensor needing no grad, of the observation
+        field's dtype and shape ``[count, *shape]``), else None."""
+        for arg, _, shape, dtype, np_dtype, _, _ in self.fields:
+            if arg != 0:
+                continue
+            kind = type(observations)
+            if kind is np.ndarray:
+                fits = observations.dtype == np_dtype and observations.shape == (count, *shape)
+            elif kind is torch.Tensor:
+                fits = (
+                    observations.dtype is dtype
+                    and observations.shape == (count, *shape)
+                    and observations.is_cpu
+                    and not observations.requires_grad
+                    and observations.layout is _STRIDED
+                )
+            else:
+                fits = False
+            return observations if fits else None
+        return None
+
+    def put_finals(self, at: int, observations: Any) -> None:
+        """Final-observation rows from row ``at`` on: ``observations`` (from
+        :meth:`final_batch`) in the observation field, zeros in the others."""
+        end = at + len(observations)
+        for (arg, *_, array, _), column in zip(self.fields, self._columns, strict=True):
+            if arg != 0:
+                array[at:end] = 0
+            elif type(observations) is torch.Tensor:
+                column[at:end].copy_(observations)
+            else:
+                array[at:end] = observations
 
     def batch_values(self, count: int, step: tuple[Any, Any, Any, Any]) -> list | None:
         """``step``'s values for ``count`` episodes (each ``[count, *shape]``, numpy arrays or
