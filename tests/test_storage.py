@@ -25,6 +25,7 @@ import replaybuf.storage.hugepages
 import replaybuf.storage.space
 from replaybuf import Field, FieldSpec, InsufficientSpaceError, ReplayBuffer, SchemaError
 from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
+from replaybuf.storage import scratch
 from replaybuf.storage.sweep import STAMP
 
 ROW_BYTES = 4 * (4 + 2 + 1 + 4) + 1  # obs, action, reward, next.obs as float32; done as bool
@@ -85,6 +86,8 @@ def test_reset_replaces_the_private_folder(tmp_path):
         buf.add_batch(rows(0, 3))
         before = _scratch_folders(tmp_path)
         buf.reset()
+        assert not before[0].exists()  # renamed at once; the background thread removes it
+        assert scratch.drain(timeout=60)
         after = _scratch_folders(tmp_path)
         assert len(before) == len(after) == 1
         assert before != after

@@ -126,25 +126,26 @@ class SlotStorage(SlotPlanning):
 
     def reset(self, capacity: int | None = None) -> None:
         """Drop every row (and the spec); optionally change the capacity."""
-        self.close()
+        self.close(wait=False)
         if capacity is not None:
             self.capacity = capacity
         self.spec = None
         self._close_ragged()
         self.memory = self._new_memory()
 
-    def close(self) -> None:
-        """Release storage and remove this storage's memmap files."""
+    def close(self, wait: bool = True) -> None:
+        """Release storage and remove this storage's memmap files: before returning, or, with
+        ``wait=False`` (a reset), on a background thread (see storage.scratch)."""
         self._leaves, self._columns, self._index_column = [], {}, None
         self.derived, self._host_views, self._row_words = {}, {}, None
         self._index_known, self._flat_names, self._direct, self._reserved = 0, None, False, 0
-        if self.memory is not None:
-            release(self.memory)  # its rows go now, not at the next garbage collection
+        # Its rows go now, not at the next garbage collection; memmap columns with the files.
+        held = [] if self.memory is None else release(self.memory)
         self.memory = None
         self._close_ragged()
         self._stager.clear()
         if self._scratch is not None:
-            self._scratch.remove()
+            self._scratch.remove(held, wait=wait)
             self._scratch = None
 
     @property

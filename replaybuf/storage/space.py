@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDictBase
 
 from replaybuf.errors import InsufficientSpaceError
+from replaybuf.storage import scratch
 from replaybuf.storage.devices import StorageKind
 from replaybuf.storage.schema import FieldSpec
 
@@ -66,6 +67,8 @@ def ensure_space(kind: StorageKind, device: torch.device, folder: Path, needed: 
     """Raise :class:`InsufficientSpaceError` unless ``needed`` bytes are free where a storage
     of ``kind`` on ``device`` (memmap: in ``folder``) would allocate them."""
     free = free_bytes(kind, device, folder)
+    if needed > free and kind == "memmap" and scratch.drain_if_pending():
+        free = free_bytes(kind, device, folder)  # with the files a reset left to remove
     if needed > free:
         raise InsufficientSpaceError(_where(kind, device, folder), needed, free)
 
@@ -133,7 +136,13 @@ def reserve_rows(
         row = value[0].numel() * value.element_size()
         fd = os.open(filename, os.O_RDWR)
         try:
-            os.posix_fallocate(fd, start * row, (stop - start) * row)
+            try:
+                os.posix_fallocate(fd, start * row, (stop - start) * row)
+            except OSError as exc:
+                # The files a reset left to remove hold blocks: once they are gone, again.
+                if exc.errno != errno.ENOSPC or not scratch.drain_if_pending():
+                    raise
+                os.posix_fallocate(fd, start * row, (stop - start) * row)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 where = folder or Path(filename).parent

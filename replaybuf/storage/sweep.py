@@ -62,8 +62,9 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def _remove(folder: Path) -> None:
-    """Remove ``folder``, its stamp last: a sweep cut short leaves a stamped folder that the
+def remove_stamped(folder: Path) -> None:
+    """Remove ``folder``, its stamp last and only once nothing else is left: a removal cut
+    short (the process killed, a file that would not go) leaves a stamped folder that the
     next sweep finishes, never an unstamped one nobody may remove. Errors are ignored (another
     process may be sweeping the same folder)."""
     try:
@@ -81,7 +82,8 @@ def _remove(folder: Path) -> None:
         except OSError:
             pass
     try:
-        os.unlink(folder / STAMP)
+        if os.listdir(folder) == [STAMP]:
+            os.unlink(folder / STAMP)
         os.rmdir(folder)
     except OSError:
         pass
@@ -103,11 +105,11 @@ def sweep(parent: str | os.PathLike) -> Swept:
         record = read_stamp(folder)
         if record is None:
             swept.unstamped.append(folder)
-        elif not owner.is_dead(record, here):
+        elif record == here or not owner.is_dead(record, here):  # this process's: no look-up
             swept.alive.append(folder)
         else:
             size = folder_bytes(folder)
-            _remove(folder)
+            remove_stamped(folder)
             if not folder.exists():
                 swept.removed.append((folder, size))
     return swept

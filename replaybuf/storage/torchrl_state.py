@@ -102,22 +102,28 @@ def restore_state(memory: TensorDictReplayBuffer, rows: int, cursor: int, writes
     return True
 
 
-def release(memory: TensorDictReplayBuffer) -> None:
-    """Free a dropped TorchRL buffer's rows now rather than at the next garbage collection.
+def release(memory: TensorDictReplayBuffer) -> list[torch.Tensor]:
+    """Free a dropped TorchRL buffer's rows now rather than at the next garbage collection;
+    the columns it held, in a list that holds their last references here.
 
     Its storage lists the sampler and writer that read it (``attach``), which refer back to
     it, and a locked TensorDict (memmap storage's) caches views of itself: reference cycles,
     so dropping the buffer alone would leave its rows (RAM, or mapped files) to the collector.
-    Breaking both lets reference counting free every column no one else holds.
+    Breaking both lets reference counting free every column no one else holds: when the
+    returned list is emptied or dropped, where the caller chooses (unmapping memmap files is
+    the kernel's work, which a reset hands to a background thread: see storage.scratch).
     """
     storage = memory.storage
     entities = getattr(storage, "_attached_entities", None)
     if isinstance(entities, list):
         entities.clear()
     data = getattr(storage, "_storage", None)
+    held: list[torch.Tensor] = []
     if isinstance(data, TensorDictBase):
         data.unlock_()  # drops its cache (the views that refer back to it)
+        held = list(data.values(include_nested=True, leaves_only=True))
         data.clear()
+    return held
 
 
 class RowBookkeeping:
