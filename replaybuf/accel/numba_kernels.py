@@ -235,6 +235,32 @@ def stack_rows(rows: np.ndarray, k: int, prev_row: np.ndarray) -> tuple[np.ndarr
     return stacked, real
 
 
+@njit(
+    types.Tuple((_I64, _BOOL, types.int64))(_I64_IN, _I64_IN, types.int64, types.int64, _I64_IN),
+    cache=True,
+    boundscheck=False,
+)
+def window_stacks(
+    ends: np.ndarray, actual_n: np.ndarray, n: int, k: int, prev_row: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The frame-stack rows of a batch's n-step windows (``ends [2B]`` as
+    :func:`nstep_windows` gives them, ``actual_n [B]``), and ``shift``. Where every window is
+    ``n < k`` steps long, :func:`stack_rows` of the windows' last rows ``k + n`` deep
+    (``[B * (k + n)]``: each window's frames once, its start's stack the first k, its end's the
+    last k) and ``shift`` n; else :func:`stack_rows` of ``ends`` (``[2B * k]``) and 0."""
+    count = actual_n.shape[0]
+    once = n < k
+    for b in range(count):
+        if actual_n[b] != n:
+            once = False
+            break
+    if once:
+        rows, real = stack_rows(ends[count:], k + n, prev_row)
+        return rows, real, n
+    rows, real = stack_rows(ends, k, prev_row)
+    return rows, real, 0
+
+
 _WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, types.uint64)]
 
 

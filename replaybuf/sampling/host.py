@@ -35,7 +35,7 @@ class _HostPlan(NamedTuple):
     rewards: np.ndarray  # the 1-D reward column
     links: HostLinks  # the row links' host columns
     windows: Callable[..., KernelWindows]  # kernels.nstep_windows
-    stack_rows: Callable[..., tuple[np.ndarray, np.ndarray]]  # kernels.stack_rows
+    window_stacks: Callable[..., tuple[np.ndarray, np.ndarray, int]]  # kernels.window_stacks
     frame_stack: int | None  # the core's k
     zero_padding: bool  # the core's frame padding is "zero"
 
@@ -92,21 +92,14 @@ class HostNStep:
 
 
 def _stacks(plan: _HostPlan, k: int, w: Windows, n: int) -> HostStacks:
-    """The rows of both window ends' k-frame stacks. Where every window is n < k steps long
-    (no window cut short by its episode's end), the two stacks are the first and last k rows
-    of one stack k + n deep at the window's last observation: k + n frames gathered per
-    window, not 2k; else each end's stack on its own."""
+    """The rows of both window ends' k-frame stacks, found by one compiled call: where every
+    window is n < k steps long (none cut short by its episode's end), the two stacks are the
+    first and last k rows of one stack k + n deep at the window's last observation (k + n
+    frames gathered per window, not 2k); else each end's stack on its own."""
     prev_row = plan.links.prev_row
     assert prev_row is not None, "frame stacking keeps prev_row"
-    ends = w.ends
-    assert isinstance(ends, np.ndarray), "the compiled windows are numpy arrays"
-    assert isinstance(w.actual_n, np.ndarray), "the compiled windows are numpy arrays"
-    if n < k and (w.actual_n == n).all():
-        last = ends[ends.shape[0] // 2 :]  # contiguous: the second half of ends
-        rows, real = plan.stack_rows(last, k + n, prev_row)
-        return HostStacks(rows, real, k + n, plan.zero_padding, shift=n)
-    rows, real = plan.stack_rows(ends, k, prev_row)
-    return HostStacks(rows, real, k, plan.zero_padding)
+    rows, real, shift = plan.window_stacks(w.ends, w.actual_n, n, k, prev_row)
+    return HostStacks(rows, real, k + shift, plan.zero_padding, shift)
 
 
 class NStepPath(Protocol):
@@ -145,7 +138,7 @@ def host_plan(core: EpisodeView) -> _HostPlan | None:
         rewards,
         host,
         core.kernels.nstep_windows,
-        core.kernels.stack_rows,
+        core.kernels.window_stacks,
         core.frame_stack,
         core.frame_padding == "zero",
     )
