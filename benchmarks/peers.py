@@ -69,6 +69,7 @@ FLOOR = "floor"
 RB_TENSOR, RB_MEMMAP = "replaybuf tensor", "replaybuf memmap"
 RB_FRAMES = "replaybuf frame_stack=4"  # W3: one frame stored per step, stacks rebuilt
 RB_LOCKSTEP = "replaybuf lockstep"  # W3: every episode written at once (a vector env's rows)
+FRAME_FLOOR = "frame floor"  # W3: one frame stored per step, each window's k + 1 frames gathered
 CPPRB, SB3, TIANSHOU, TORCHRL = "cpprb", "sb3", "tianshou", "torchrl"
 FILL_CHUNK = 100_000
 
@@ -788,6 +789,55 @@ def floor_pixels(
         steps,
         "tensor sizes (T+1 observation rows per episode)",
         "randint + index_select per field, next obs = the next row",
+    )
+
+
+def floor_frames(frames: Frames, count: int, length: int, batch: int) -> Built:
+    """The frame floor: one u8[84, 84] frame stored per step (T + 1 rows per episode); a batch
+    gathers each window's k + 1 consecutive frames t-k+1 .. t+1 once (one ``np.take`` of a
+    ``[B, k + 1]`` row array, the rows before the episode's first clamped to it: "reset"
+    padding) and returns the two stacks as views of that gather, frames ``[:k]`` and
+    ``[1:]``: the cheapest correct raw approach (each frame read and written once)."""
+    k = PIXELS[0]
+    rows = count * (length + 1)
+    stored = np.empty((rows, *PIXELS[1:]), dtype=np.uint8)
+    action = np.zeros(rows, dtype=np.int64)
+    reward = np.zeros(rows, dtype=np.float32)
+    terminal = np.zeros(rows, dtype=np.bool_)
+    first = np.empty(rows, dtype=np.int64)
+    for e in range(count):
+        at = e * (length + 1)
+        es = torch.tensor([e])
+        stored[at : at + length + 1] = frames.obs(es, 0, length + 1)[0, :, -1].numpy()
+        action[at : at + length] = pixel_action(es, 0, length)[0].numpy()
+        reward[at : at + length] = pixel_reward(es, 0, length)[0].numpy()
+        terminal[at + length] = True
+        first[at : at + length + 1] = at
+    anchors = (np.arange(count).reshape(-1, 1) * (length + 1) + np.arange(length)).reshape(-1)
+    back = np.arange(-(k - 1), 2)  # t-k+1 .. t+1
+    g = torch.Generator().manual_seed(0)
+
+    def sample() -> dict[str, torch.Tensor]:
+        picks = torch.randint(0, anchors.shape[0], (batch,), generator=g).numpy()
+        idx = anchors.take(picks)
+        window = np.maximum(idx[:, None] + back, first.take(idx)[:, None])  # [B, k + 1]
+        gathered = stored.take(window.reshape(-1), axis=0).reshape(batch, k + 1, *PIXELS[1:])
+        return {
+            "observation": torch.from_numpy(gathered[:, :k]),
+            "next_observation": torch.from_numpy(gathered[:, 1:]),
+            "action": torch.from_numpy(action.take(idx)),
+            "reward": torch.from_numpy(reward.take(idx)),
+            "terminal": torch.from_numpy(terminal.take(idx + 1)),
+        }
+
+    return Built(
+        FRAME_FLOOR,
+        sample,
+        None,
+        stored.nbytes + action.nbytes + reward.nbytes + terminal.nbytes + first.nbytes,
+        anchors.shape[0],
+        "array sizes (T+1 frame rows per episode)",
+        "randint + one np.take of each window's k+1 frames, the stacks as views",
     )
 
 

@@ -269,23 +269,31 @@ def section_pixels(cfg: Config, scratch: Path) -> dict[str, Any]:
     makers[peers.TORCHRL] = lambda: peers.torchrl_pixels(frames, count, length, PIXEL_BATCH)
     pairs: dict[str, dict[str, Any]] = {}
     memory = {peers.FLOOR: byte_info(floor)}
+
+    def frames_floor() -> peers.Built:
+        built = peers.floor_frames(frames, count, length, PIXEL_BATCH)
+        memory[peers.FRAME_FLOOR] = byte_info(built)
+        return built
+
     fill: dict[str, float] = {}
     for name, make in makers.items():  # one at a time beside the floor (memory)
         start = time.perf_counter()
         other = make()
         fill[name] = time.perf_counter() - start
+        # frame_stack=4 is also timed beside the frame floor (one frame per step stored).
+        frame_floor = frames_floor() if name == peers.RB_FRAMES else None
         try:
-            pairs[name] = interleaved(
-                {
-                    peers.FLOOR: Workload(floor.sample, cfg.pixel_calls),
-                    name: Workload(other.sample, cfg.pixel_calls),
-                },
-                cfg.repeats,
-            )
+            timed = {
+                peers.FLOOR: Workload(floor.sample, cfg.pixel_calls),
+                name: Workload(other.sample, cfg.pixel_calls),
+            }
+            if frame_floor is not None:
+                timed[peers.FRAME_FLOOR] = Workload(frame_floor.sample, cfg.pixel_calls)
+            pairs[name] = interleaved(timed, cfg.repeats)
             memory[name] = byte_info(other)
         finally:
             other.close()
-            del other
+            del other, frame_floor
             gc.collect()
     return {
         "pairs": pairs,
@@ -703,6 +711,21 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             f"W3 sample({PIXEL_BATCH}), replaybuf frame_stack=4 (stacks rebuilt)",
             "(info: the floor reads stored stacks)",
         )
+        pair = p["pairs"][peers.RB_FRAMES]
+        if peers.FRAME_FLOOR in pair:  # absent in reports from before the frame floor
+            vf, vr = med(pair[peers.FRAME_FLOOR]), med(pair[peers.RB_FRAMES])
+            rows.append(
+                Row(
+                    f"W3 sample({PIXEL_BATCH}) frame_stack=4 against the frame floor",
+                    micros(vf),
+                    micros(vr),
+                    vr / vf,
+                    "-",
+                    "-",
+                    "<=1.2x the frame floor (each window's k+1 frames gathered once)",
+                    vr / vf <= 1.2,
+                )
+            )
         one_frame = p["layouts"]["one frame per step"]
         fb = mem[peers.RB_FRAMES]["bytes_per_step"]
         rows.append(

@@ -112,6 +112,7 @@ def test_tiny_suite_runs_every_section(bench, tmp_path, one_thread):
     names = [r.workload for r in rows]
     for prefix in ("W1", "W2", "W3", "W4", "W5", "scaling", "memory"):
         assert any(n.startswith(prefix) for n in names), prefix
+    assert any("against the frame floor" in n for n in names)  # frame_stack=4 beside its floor
     assert {r.verdict for r in rows} <= {"PASS", "FAIL", "-"}
     assert report["nstep_check"]["replaybuf"]["correct"]
     assert report["machine"]["cores"] >= 1

@@ -36,6 +36,7 @@ from replaybuf import (
     SchemaError,
     SyncEpisodeReplayBuffer,
 )
+from replaybuf.accel.numba_loader import kernels_unavailable_reason
 from replaybuf.core.index import stack_rows, stack_windows
 from replaybuf.persist.format.names import seal
 
@@ -187,6 +188,123 @@ def test_random_programs_agree_with_the_stacking_reference(
     event(f"evicted: {min(stats['evicted_episodes'], 2)}")
     event(f"episode end sampled: {program.ends_sampled}")
     program.buf.close()
+
+
+# --------------------------------------------------------------------------- the fast path
+NO_KERNELS = kernels_unavailable_reason()
+
+
+def leaves(e: int, t: int) -> dict[str, torch.Tensor]:
+    """A dict observation of several leaves (two frame kinds and a vector), never all zeros."""
+    return {
+        "pixels": frame(e, t),
+        "depth": torch.full((3,), 10 * e + t + 1, dtype=torch.int16),
+        "pos": torch.tensor([e + 0.5, t + 0.25]),
+    }
+
+
+def general_n_step(buf: SyncEpisodeReplayBuffer, batch_size: int, n: int, gamma: float):
+    """``sample_n_step`` through the general path (the fast path's reference)."""
+    from replaybuf.sampling.paths import GeneralNStep
+
+    return GeneralNStep(buf._chosen_paths().builder, buf._generator)(batch_size, n, gamma, True)
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(np.shares_memory(a.numpy(), b.numpy()))
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    episodes=st.lists(
+        st.tuples(st.integers(0, 9), st.sampled_from(["terminated", "truncated", None])),
+        min_size=1,
+        max_size=10,
+    ),
+    max_steps=st.integers(10, 40),  # an episode in progress (<= 9 steps) is never evicted
+    k=st.integers(1, 5),
+    padding=st.sampled_from(["reset", "zero"]),
+    n=st.integers(1, 5),
+    batch_size=st.integers(1, 40),
+    prioritized=st.booleans(),
+    nested=st.booleans(),
+    storage=st.sampled_from(["tensor", "memmap"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fast_frame_stacks_are_the_general_paths(
+    make, episodes, max_steps, k, padding, n, batch_size, prioritized, nested, storage, seed
+):
+    """The one-pass path (each window's k + n frames gathered once where every window of the
+    batch is n < k steps long, else both ends' stacks) against the general path on the same
+    buffer, the generator seeded alike: the same batch, key for key, over random episode
+    layouts with evictions and episodes in progress, both paddings, k and n in 1..5, flat and
+    dict observations, uniform and prioritized draws (priorities made uneven first)."""
+    from replaybuf.sampling.host import HostNStep
+
+    buf = make(
+        max_steps,
+        frame_stack=k,
+        frame_stack_padding=padding,
+        prioritized=prioritized,
+        storage=storage,
+    )
+    observed = leaves if nested else frame
+    for length, status in episodes:
+        e = buf.start_episode()
+        for t in range(length):
+            buf.append_observation_action_reward(e, observed(e, t), t, reward(e, t))
+        if status is not None:
+            buf.end_episode(e, status, final_observation=observed(e, length))
+    if len(buf) == 0:
+        return
+    if prioritized:  # priorities that differ, so that the tree's descent matters
+        drawn = buf.sample_n_step(16, n=n)
+        buf.update_priorities(
+            drawn["index"], torch.rand(16, generator=torch.Generator().manual_seed(seed)) + 0.01
+        )
+    buf._generator.manual_seed(seed)
+    got = buf.sample_n_step(batch_size, n=n, gamma=0.9)
+    assert isinstance(buf._chosen_paths().n_step, HostNStep)  # the fast path ran
+    buf._generator.manual_seed(seed)
+    want = general_n_step(buf, batch_size, n, 0.9)
+    assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
+    for key in want.keys(include_nested=True, leaves_only=True):
+        assert got[key].dtype == want[key].dtype, key
+        assert torch.equal(got[key], want[key]), key
+    # one gather for both ends exactly where every window is n < k steps long
+    one = n < k and bool((got["actual_n"] == n).all())
+    now, after = (
+        got[name] if not nested else got[name]["pixels"]
+        for name in ("observation", "next_observation")
+    )
+    assert shares_memory(now, after) == one
+    event(f"both stacks from one gather: {one}")
+
+
+def test_batches_are_the_callers_after_later_writes(make):
+    """Stacks cut from one gather of k + n frames: nothing of the storage, so writes that
+    evict and reuse every row leave a batch as it was; its two stacks share frames (writing
+    one shows in the other, as in a sequence batch)."""
+    buf = make(12, frame_stack=4)
+    e = buf.start_episode()
+    for t in range(10):
+        buf.append_observation_action_reward(e, frame(e, t), t, 1.0)
+    got = buf.sample_n_step(8, n=1)
+    kept = got.clone()
+    assert shares_memory(got["observation"], got["next_observation"])
+    buf.end_episode(e, "truncated", final_observation=frame(e, 10))
+    for _ in range(3):  # every row rewritten by later episodes
+        e = buf.start_episode()
+        for t in range(6):
+            buf.append_observation_action_reward(e, frame(e, 100 + t), t, 1.0)
+        buf.end_episode(e, "terminated", final_observation=frame(e, 106))
+    assert (got == kept).all()
+    assert torch.equal(got["observation"][:, 1:], got["next_observation"][:, :-1])
 
 
 # --------------------------------------------------------------------------- named cases

@@ -11,6 +11,7 @@ descends one mass at a time, and the numpy n-step path makes ~25 numpy calls. Th
 take one step for all the walks at once, so their loads are independent and overlap, and do all
 the steps in one call.
 
+The frame-stack kernels live in :mod:`replaybuf.accel.numba_frames` and are members here too.
 Callers load this module through :mod:`replaybuf.accel.numba_loader`, and run their numpy paths
 where it does not load. The kernels compute what those paths compute, with the same float
 operations in the same order (the tests check them against each other; the one exception is
@@ -24,6 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit, types
+
+from replaybuf.accel.numba_frames import stack_rows as stack_rows
+from replaybuf.accel.numba_frames import window_stacks as window_stacks
 
 if TYPE_CHECKING:
     from numba.core.typing import Signature
@@ -211,28 +215,6 @@ def nstep_windows(
         first_step[b] = step[start[b]]
         first_episode[b] = episode[start[b]]
     return ends, total, terminal, truncated, cut, discount, m, first_step, first_episode
-
-
-@njit(types.Tuple((_I64, _BOOL))(_I64_IN, types.int64, _I64_IN), cache=True, boundscheck=False)
-def stack_rows(rows: np.ndarray, k: int, prev_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`replaybuf.core.index.stack_rows` of ``rows [N]`` (k >= 1), flattened: ``stacked``
-    and ``real`` ``[N * k]``, row i's stack at ``[i * k, (i + 1) * k)``, oldest first. The
-    numpy version makes ~4 calls per step back; this is one loop, one step back for every row
-    at a time (independent loads)."""
-    count = rows.shape[0]
-    stacked = np.empty(count * k, np.int64)
-    real = np.empty(count * k, np.bool_)
-    for i in range(count):
-        stacked[i * k + k - 1] = rows[i]
-        real[i * k + k - 1] = True
-    for j in range(1, k):  # position k - 1 - j: j steps back, or the episode's first row
-        for i in range(count):
-            at = i * k + k - 1 - j
-            here = stacked[at + 1]
-            before = prev_row[here]
-            real[at] = before >= 0
-            stacked[at] = before if before >= 0 else here
-    return stacked, real
 
 
 _WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, types.uint64)]

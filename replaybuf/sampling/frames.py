@@ -92,20 +92,33 @@ def lone_stack(core: EpisodeView, frame: torch.Tensor) -> torch.Tensor:
 
 
 class HostStacks(NamedTuple):
-    """The frames of both window ends' k-frame stacks
-    (:func:`replaybuf.accel.numba_kernels.stack_rows`
-    of ``ends``): their rows and which are real, ``[2B * k]`` each."""
+    """The frames of a batch's stacks at both window ends, as rows of the storage and which
+    of them are real (:func:`replaybuf.accel.numba_kernels.stack_rows`), in one of two layouts:
+
+    * ``shift`` 0: the stacks of ``ends [2B]``, k rows each (``depth`` = k): ``[2B * k]``;
+    * ``shift`` n (every window n steps long, n < k): the stack of each window's last
+      observation ``depth`` = k + n rows deep, ``[B * (k + n)]``. The first stack is its
+      first k rows and the second its last k (they share k - n), so each frame is read once.
+    """
 
     rows: np.ndarray
     real: np.ndarray
-    k: int
+    depth: int
     zero: bool  # "zero" padding: frames before an episode's first are zeros, not its first
+    shift: int = 0
 
-    def take(self, view: np.ndarray) -> np.ndarray:
-        """The stacks ``[2B, k, *field]`` of one observation view (padding as
-        :func:`zero_padding` makes it, written only where a stack has some)."""
+    def take(self, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stacks ``([B, k, *field], [B, k, *field])`` at the window starts and ends of one
+        observation view (padding as :func:`zero_padding` makes it, written only where a stack
+        has some). One fresh array holds both: with ``shift``, the two are overlapping views of
+        it (the caller's, like a sequence batch's observations and next observations)."""
         frames = view.take(self.rows, axis=0)  # a fresh array: zeroed in place
         if self.zero and not self.real.all():
             frames[~self.real] = 0
         # the count of stacks given: a field of no elements leaves -1 nothing to divide
-        return frames.reshape(self.rows.shape[0] // self.k, self.k, *frames.shape[1:])
+        windows = frames.reshape(self.rows.shape[0] // self.depth, self.depth, *frames.shape[1:])
+        if self.shift:
+            k = self.depth - self.shift
+            return windows[:, :k], windows[:, self.shift :]
+        half = windows.shape[0] // 2
+        return windows[:half], windows[half:]

@@ -12,10 +12,17 @@ from tensordict import TensorDict
 from replaybuf.args import NArg
 from replaybuf.episodes import HostLinks
 from replaybuf.sampling.common import keys_of, nstep_key_order
+from replaybuf.sampling.draws import draw_anchors, with_priority_keys
 from replaybuf.sampling.frames import HostStacks
 from replaybuf.sampling.nstep import host_gathers
 from replaybuf.sampling.view import EpisodeView
-from replaybuf.sampling.windows import NO_N, KernelWindows, compiled_windows, host_rewards
+from replaybuf.sampling.windows import (
+    NO_N,
+    KernelWindows,
+    Windows,
+    compiled_windows,
+    host_rewards,
+)
 from replaybuf.storage import Key, build_tensordict
 
 
@@ -28,20 +35,22 @@ class _HostPlan(NamedTuple):
     rewards: np.ndarray  # the 1-D reward column
     links: HostLinks  # the row links' host columns
     windows: Callable[..., KernelWindows]  # kernels.nstep_windows
-    stack_rows: Callable[..., tuple[np.ndarray, np.ndarray]]  # kernels.stack_rows
+    window_stacks: Callable[..., tuple[np.ndarray, np.ndarray, int]]  # kernels.window_stacks
     frame_stack: int | None  # the core's k
     zero_padding: bool  # the core's frame padding is "zero"
 
 
 class HostNStep:
-    """The one-pass n-step path for CPU storage delivering on the CPU, uniform draws.
+    """The one-pass n-step path for CPU storage delivering on the CPU: uniform draws, and
+    prioritized ones for frame-stacked buffers.
 
-    A uniform draw with replacement and its windows, gathered in one pass: the same draws and
-    the same values as the general path (frame stacks too, their rows found by one compiled
-    loop), which is its reference in the tests. Written as one pass because the general
-    path's per-batch lookups and conversions (views by key, the key lists, torch and numpy
-    views of the anchors) weigh on small batches. Draws without replacement and a random n
-    go to ``general``.
+    A draw with replacement and its windows, gathered in one pass: the same draws and the same
+    values as the general path (frame stacks too, their rows found by one compiled loop, each
+    window's frames gathered once: see :func:`_stacks`), which is its reference in the tests.
+    Written as one pass because the general path's per-batch lookups and conversions (views by
+    key, the key lists, torch and numpy views of the anchors) weigh on small batches, and its
+    frame stacks gather 2k frames per window. Draws without replacement and a random n go to
+    ``general``.
     """
 
     def __init__(
@@ -55,14 +64,17 @@ class HostNStep:
     def __call__(self, batch_size: int, n: NArg, gamma: float, replace: bool) -> TensorDict:
         if not replace or isinstance(n, tuple):
             return self.general(batch_size, n, gamma, replace)
-        plan = self.plan
-        start = self.core.anchors.sample_host(batch_size, self.generator)
+        plan, core = self.plan, self.core
+        drawn, weight = None, None
+        if core.priorities is None:
+            start = core.anchors.sample_host(batch_size, self.generator)
+        else:  # the general path's draw: a descent of the priority tree
+            drawn, weight = draw_anchors(core, batch_size, replace, self.generator)
+            start = np.ascontiguousarray(drawn.numpy(), dtype=np.int64)
         w = compiled_windows(plan.windows, start, NO_N, n, plan.links, plan.rewards, gamma)
         stacks = None
         if plan.frame_stack is not None:
-            k = plan.frame_stack
-            rows, real = plan.stack_rows(w.ends, k, plan.links.prev_row)
-            stacks = HostStacks(rows, real, k, plan.zero_padding)
+            stacks = _stacks(plan, plan.frame_stack, w, n)
         # The compiled windows are numpy arrays, though Windows types its fields as either kind.
         values = host_gathers(
             plan.observations,
@@ -73,7 +85,21 @@ class HostNStep:
             stacks,
         )
         tensors = [torch.from_numpy(v) for v in values]
-        return build_tensordict(plan.keys, tensors, batch_size, _CPU)
+        batch = build_tensordict(plan.keys, tensors, batch_size, _CPU)
+        if drawn is None:
+            return batch
+        return with_priority_keys(core, batch, drawn, weight)
+
+
+def _stacks(plan: _HostPlan, k: int, w: Windows, n: int) -> HostStacks:
+    """The rows of both window ends' k-frame stacks, found by one compiled call: where every
+    window is n < k steps long (none cut short by its episode's end), the two stacks are the
+    first and last k rows of one stack k + n deep at the window's last observation (k + n
+    frames gathered per window, not 2k); else each end's stack on its own."""
+    prev_row = plan.links.prev_row
+    assert prev_row is not None, "frame stacking keeps prev_row"
+    rows, real, shift = plan.window_stacks(w.ends, w.actual_n, n, k, prev_row)
+    return HostStacks(rows, real, k + shift, plan.zero_padding, shift)
 
 
 class NStepPath(Protocol):
@@ -112,7 +138,7 @@ def host_plan(core: EpisodeView) -> _HostPlan | None:
         rewards,
         host,
         core.kernels.nstep_windows,
-        core.kernels.stack_rows,
+        core.kernels.window_stacks,
         core.frame_stack,
         core.frame_padding == "zero",
     )

@@ -175,13 +175,15 @@ def host_gathers(
     stacks: HostStacks | None = None,
 ) -> list[Values]:
     """The host paths' values in :func:`nstep_key_order`' order: each observation view at both
-    window ends (one take of ``ends``, or of ``stacks``' frames, split), each step view at
+    window ends (one take of ``ends``, split, or ``stacks``' two stacks), each step view at
     ``start``, then ``info``."""
     batch = start.shape[0]
     values: list[Values] = []
     for view in observations:
-        # [2B]: the window starts, then its ends
-        both = view.take(ends, axis=0) if stacks is None else stacks.take(view)
+        if stacks is not None:
+            values += stacks.take(view)
+            continue
+        both = view.take(ends, axis=0)  # [2B]: the window starts, then their ends
         values += [both[:batch], both[batch:]]
     values += [view.take(start, axis=0) for view in steps]
     return values + info

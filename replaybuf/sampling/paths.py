@@ -6,8 +6,9 @@ batches. :func:`choose` makes that choice once per configuration; every path of 
 the same call signature, so the buffer calls whichever it got. The general paths are the
 reference that each fast path is tested against (the same batches for the same seed)::
 
-    n-step        HostNStep      CPU storage delivering on the CPU, uniform, numba kernels:
-                                 draw, windows and gathers in one pass
+    n-step        HostNStep      CPU storage delivering on the CPU, uniform (or prioritized
+                                 with frame stacks), numba kernels: draw, windows and
+                                 gathers in one pass, each window's k + n frames once
                   DeviceNStep    storage off the CPU, uniform: a CUDA graph's replay, else
                                  device draws looked up inside the fused kernel
                   GeneralNStep   everything else: prioritized, no replacement, random n ...
@@ -161,15 +162,15 @@ def choose(
     builder = NStepBuilder(core, device, math, host_views_apply(core, device, math), ragged)
     general: NStepPath = GeneralNStep(builder, generator)
     # Ragged fields come out of the general paths only (the fast ones gather fixed columns).
-    uniform = core.priorities is None and not ragged_keys_of(
-        core, "observation", "action", "extras"
-    )
+    fixed = not ragged_keys_of(core, "observation", "action", "extras")
+    uniform = core.priorities is None and fixed
     n_step = general
     sequences: SequencePath = GeneralSequences(core, device, generator)
     if uniform and not core.anchors.on_host:  # storage off the CPU
         n_step = DeviceNStep(builder, generator, draws, general)
         sequences = DeviceSequences(GeneralSequences(core, device, generator, draws), draws)
-    elif uniform and device.type == "cpu":
+    elif device.type == "cpu" and fixed and (uniform or core.frame_stack is not None):
+        # Prioritized frame stacks too: the general path gathers 2k frames per window.
         plan = host_plan(core)
         if plan is not None:
             n_step = HostNStep(core, plan, generator, general)
