@@ -26,10 +26,12 @@ from replaybuf.errors import (
     UnsupportedError,
 )
 from replaybuf.integrations.sb3 import checks
-from replaybuf.integrations.sb3.fastadd import add_exact
+from replaybuf.integrations.sb3.fastadd import add_exact, exact_shapes
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.pickling import discard_partial_pickle
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
+
+_F32 = np.dtype(np.float32)
 
 
 class SB3ReplayBuffer(_SB3ReplayBuffer):
@@ -163,6 +165,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # add through the general path.
         self._obs_want = (n_envs, *self.obs_shape)
         self._action_want = (n_envs, self.action_dim)
+        self._exact_dtypes = (self._obs_dtype, self._obs_dtype, self._action_dtype, _F32)
+        discrete_obs = isinstance(observation_space, spaces.Discrete)
+        self._exact_shapes, self._flat_shapes = exact_shapes(
+            n_envs, self._obs_want, self._action_want, discrete_obs
+        )
         self._agent_ids = [f"env-{i}" for i in range(n_envs)]
         self._fast_add = True
         self._primed = False  # whether an add fixed the episode buffer's fields
@@ -336,13 +343,14 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
         stored = len(self._buffer)
-        held = self._held.envs()
-        total = stored + held.shape[0]
+        total = stored + self._held.count
         if total == 0:
             raise EmptyBufferError("cannot sample: the buffer holds no transition yet")
         pick = torch.randint(0, total, (batch_size,), generator=self._generator)
-        aside = pick >= stored  # which samples are the held-aside newest transitions
-        n_aside = int(aside.sum())
+        # Which samples are the held-aside newest transitions (in numpy: a few small torch
+        # calls cost more than the draw).
+        aside_np = pick.numpy() >= stored
+        n_aside = int(np.count_nonzero(aside_np))
         parts: list[dict[str, torch.Tensor]] = []
         if n_aside < batch_size:
             count = batch_size - n_aside
@@ -351,8 +359,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                     self._buffer, count, self.n_steps, self.gamma, self._held, self._episode
                 )
             )
-        if n_aside:
-            parts.append(self._held.fields(held[(pick[aside] - stored).numpy()]))
+        if not n_aside:
+            return self._samples(parts[0], env, multi)
+        aside = torch.from_numpy(aside_np)
+        held = self._held.envs()
+        parts.append(self._held.fields(held[(pick[aside] - stored).numpy()]))
         fields = parts[0] if len(parts) == 1 else interleave(parts, aside)
         return self._samples(fields, env, multi)
 

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
 
 _ND = np.ndarray
-_F32 = np.dtype(np.float32)
 _DONE_KINDS = "bf"  # bool or float dones (a VecEnv's bool, SB3's float32 in tests)
 
 
@@ -37,34 +36,25 @@ def add_exact(
 ) -> bool:
     """Record the step as the general path would, if its values need no conversion and no
     episode has to end before it is appended; False, with nothing changed, otherwise."""
-    if not rb._primed:  # the first add fixes the stored fields: the general path's
-        return False
     if (
-        type(obs) is not _ND
+        not rb._primed  # the first add fixes the stored fields: the general path's
+        or type(obs) is not _ND
         or type(next_obs) is not _ND
         or type(action) is not _ND
         or type(reward) is not _ND
         or type(done) is not _ND
-    ):
-        return False
-    n = rb.n_envs
-    want, dtype = rb._obs_want, rb._obs_dtype
-    if (
-        obs.shape != want
-        or next_obs.shape != want
-        or obs.dtype != dtype
-        or next_obs.dtype != dtype
-        or action.dtype != rb._action_dtype
-        or reward.dtype != _F32
-        or reward.shape != (n,)
-        or done.shape != (n,)
+        or (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) != rb._exact_dtypes
         or done.dtype.kind not in _DONE_KINDS
     ):
         return False
-    if action.shape != rb._action_want:
-        if action.shape != (n,) or rb.action_dim != 1:  # a Discrete action per env
+    shapes = (obs.shape, next_obs.shape, action.shape, reward.shape, done.shape)
+    if shapes != rb._exact_shapes:
+        if shapes not in rb._flat_shapes:  # only [n] discrete observations or actions
             return False
+        want = rb._obs_want
+        obs, next_obs = obs.reshape(want), next_obs.reshape(want)
         action = action.reshape(rb._action_want)
+    n = rb.n_envs
     handle = rb.handle_timeout_termination
     if handle and not _all_dicts(infos, n):  # as checks.timeouts: only read when handled
         return False
@@ -130,3 +120,16 @@ def _all_dicts(infos: Any, n: int) -> bool:
     if n == 1:
         return type(infos[0]) is dict
     return all(type(info) is dict for info in infos)
+
+
+def exact_shapes(
+    n: int, obs: tuple[int, ...], action: tuple[int, ...], discrete_obs: bool
+) -> tuple[tuple[tuple[int, ...], ...], set[tuple[tuple[int, ...], ...]]]:
+    """The shapes of (obs, next_obs, action, reward, done) the fast path takes as they are, and
+    those it reshapes first: ``[n]`` observations of a ``Discrete`` space and ``[n]`` actions
+    of one dimension, as SB3 passes them and the general path reshapes them."""
+    exact = (obs, obs, action, (n,), (n,))
+    obs_forms = [obs, (n,)] if discrete_obs and obs == (n, 1) else [obs]
+    action_forms = [action, (n,)] if action == (n, 1) else [action]
+    flat = {(o, o, a, (n,), (n,)) for o in obs_forms for a in action_forms} - {exact}
+    return exact, flat
