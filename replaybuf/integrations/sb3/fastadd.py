@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
 
 _ND = np.ndarray
+Shapes = tuple[tuple[int, ...], ...]  # of (obs, next_obs, action, reward, done)
 _DONE_KINDS = "bf"  # bool or float dones (a VecEnv's bool, SB3's float32 in tests)
 
 
@@ -124,12 +125,13 @@ def _all_dicts(infos: Any, n: int) -> bool:
 
 def exact_shapes(
     n: int, obs: tuple[int, ...], action: tuple[int, ...], discrete_obs: bool
-) -> tuple[tuple[tuple[int, ...], ...], set[tuple[tuple[int, ...], ...]]]:
+) -> tuple[Shapes, set[Shapes]]:
     """The shapes of (obs, next_obs, action, reward, done) the fast path takes as they are, and
     those it reshapes first: ``[n]`` observations of a ``Discrete`` space and ``[n]`` actions
     of one dimension, as SB3 passes them and the general path reshapes them."""
-    exact = (obs, obs, action, (n,), (n,))
+    exact: Shapes = (obs, obs, action, (n,), (n,))
     obs_forms = [obs, (n,)] if discrete_obs and obs == (n, 1) else [obs]
     action_forms = [action, (n,)] if action == (n, 1) else [action]
-    flat = {(o, o, a, (n,), (n,)) for o in obs_forms for a in action_forms} - {exact}
+    flat: set[Shapes] = {(o, o, a, (n,), (n,)) for o in obs_forms for a in action_forms}
+    flat.discard(exact)
     return exact, flat
