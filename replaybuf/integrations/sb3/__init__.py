@@ -29,6 +29,7 @@ is refused (never needed: next observations are never copied); the buffer is not
 
 Modules: :mod:`~replaybuf.integrations.sb3.buffer` (the adapter class),
 :mod:`~replaybuf.integrations.sb3.checks` (its arguments' checks),
+:mod:`~replaybuf.integrations.sb3.fastadd` (``add``'s fast path for exact numpy arguments),
 :mod:`~replaybuf.integrations.sb3.held` (the held-aside newest transitions),
 :mod:`~replaybuf.integrations.sb3.samples` (a sample's fields).
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -25,9 +26,12 @@ from replaybuf.errors import (
     UnsupportedError,
 )
 from replaybuf.integrations.sb3 import checks
+from replaybuf.integrations.sb3.fastadd import add_exact, exact_shapes
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.pickling import discard_partial_pickle
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
+
+_F32 = np.dtype(np.float32)
 
 
 class SB3ReplayBuffer(_SB3ReplayBuffer):
@@ -157,13 +161,28 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
         self._generator = torch.Generator().manual_seed(seed + 1)
         self._closed = False
+        # add's fast path (fastadd): what it compares the arrays with; False (tests) runs every
+        # add through the general path.
+        self._obs_want = (n_envs, *self.obs_shape)
+        self._action_want = (n_envs, self.action_dim)
+        self._exact_dtypes = (self._obs_dtype, self._obs_dtype, self._action_dtype, _F32)
+        discrete_obs = isinstance(observation_space, spaces.Discrete)
+        self._exact_shapes, self._flat_shapes = exact_shapes(
+            n_envs, self._obs_want, self._action_want, discrete_obs
+        )
+        self._agent_ids = [f"env-{i}" for i in range(n_envs)]
+        self._fast_add = True
+        self._primed = False  # whether an add fixed the episode buffer's fields
         self._reset_state()
 
     def _reset_state(self) -> None:
         """No episode in progress, nothing held aside, the counters at zero."""
         n = self.n_envs
         self._episode: list[int | None] = [None] * n  # in-progress episode of each env
-        self._length = [0] * n  # steps in that episode's current segment
+        self._ids: list[int] = []  # a copy of _episode once every env has one, new at each start
+        self._unstarted = list(range(n))  # the envs without an episode in progress
+        self._seg_start = [0] * n  # the add that began the current segment of each env's episode
+        self._split_at: float = math.inf  # no segment is full before this add
         # The latest transition of each env, whose next observation is not in storage yet.
         self._held = HeldAside(
             n, self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype
@@ -228,7 +247,24 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
         next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
         error (``SchemaError`` naming the argument) the buffer is unchanged."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        if self._fast_add and add_exact(self, obs, next_obs, action, reward, done, infos):
+            return
+        self._add_general(obs, next_obs, action, reward, done, infos)
+
+    def _add_general(
+        self,
+        obs: Any,
+        next_obs: Any,
+        action: Any,
+        reward: Any,
+        done: Any,
+        infos: Any,
+    ) -> None:
+        """:meth:`add` for any arguments: checked and converted, jumps and full segments
+        ended, one episode-buffer call per env that starts or ends (the reference the fast
+        path, :mod:`~replaybuf.integrations.sb3.fastadd`, is tested against)."""
         space, n = self.observation_space, self.n_envs
         shape, dtype = self.obs_shape, self._obs_dtype
         obs = checks.observations(obs, "obs", space, n, shape, dtype)
@@ -239,11 +275,14 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         truncated = checks.timeouts(infos, n, self.handle_timeout_termination)
 
         buf, held = self._buffer, self._held
-        pending, length, seg = held.pending, self._length, self.segment_steps
+        pending, seg_start, seg = held.pending, self._seg_start, self.segment_steps
+        adds = self._adds
         # An episode continues only from the observation its last step led to (bit for bit),
         # and a segment holds at most segment_steps steps; otherwise it ends (truncated) there.
         jumped = held.jumped(obs)
-        full = [i for i in range(n) if pending[i] and length[i] >= seg and i not in jumped]
+        full = [
+            i for i in range(n) if pending[i] and adds - seg_start[i] >= seg and i not in jumped
+        ]
         # Every env with a pending step has an episode in progress (mypy cannot narrow a list).
         for i in jumped + full:
             buf.end_episode(
@@ -257,8 +296,9 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         for i in range(n):
             if self._episode[i] is None:
                 self._episode[i] = buf.start_episode(agent_id=f"env-{i}")
-                length[i] = 0
+                seg_start[i] = adds
         ids = list(self._episode)  # none is None now (started just above)
+        self._ids = cast(list[int], ids)
         buf.append_batch(
             ids,  # type: ignore[arg-type]
             torch.from_numpy(obs),
@@ -267,7 +307,6 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
         ended = done.tolist()
         for i in range(n):
-            length[i] += 1
             pending[i] = not ended[i]
             if ended[i]:
                 status = "truncated" if truncated[i] else "terminated"
@@ -280,6 +319,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # Each env's newest transition, held aside until the next add stores its next obs.
         held.keep(obs, next_obs, action, reward, done)
         self._adds += 1
+        # What the fast path reads: the envs to start at the next add, the first add at which
+        # a segment may be full.
+        going = [seg_start[i] for i in range(n) if self._episode[i] is not None]
+        self._unstarted = [i for i in range(n) if self._episode[i] is None]
+        self._split_at = min(going) + seg if going else math.inf
+        self._primed = True
 
     # ----------------------------------------------------------------- sampling
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
@@ -298,13 +343,14 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
         stored = len(self._buffer)
-        held = self._held.envs()
-        total = stored + held.shape[0]
+        total = stored + self._held.count
         if total == 0:
             raise EmptyBufferError("cannot sample: the buffer holds no transition yet")
         pick = torch.randint(0, total, (batch_size,), generator=self._generator)
-        aside = pick >= stored  # which samples are the held-aside newest transitions
-        n_aside = int(aside.sum())
+        # Which samples are the held-aside newest transitions (in numpy: a few small torch
+        # calls cost more than the draw).
+        aside_np = pick.numpy() >= stored
+        n_aside = int(np.count_nonzero(aside_np))
         parts: list[dict[str, torch.Tensor]] = []
         if n_aside < batch_size:
             count = batch_size - n_aside
@@ -313,8 +359,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                     self._buffer, count, self.n_steps, self.gamma, self._held, self._episode
                 )
             )
-        if n_aside:
-            parts.append(self._held.fields(held[(pick[aside] - stored).numpy()]))
+        if not n_aside:
+            return self._samples(parts[0], env, multi)
+        aside = torch.from_numpy(aside_np)
+        held = self._held.envs()
+        parts.append(self._held.fields(held[(pick[aside] - stored).numpy()]))
         fields = parts[0] if len(parts) == 1 else interleave(parts, aside)
         return self._samples(fields, env, multi)
 

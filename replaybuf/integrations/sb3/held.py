@@ -59,16 +59,22 @@ class HeldAside:
     ) -> None:
         """Hold each environment's new transition, where it did not end (``done``)."""
         if not done.any():
-            np.copyto(self.obs, obs)
-            np.copyto(self.next_obs, next_obs)
-            np.copyto(self.action, action)
-            np.copyto(self.reward, reward)
+            self.keep_all(obs, next_obs, action, reward)
         else:
             keep = ~done
             self.obs[keep] = obs[keep]
             self.next_obs[keep] = next_obs[keep]
             self.action[keep] = action[keep]
             self.reward[keep] = reward[keep]
+
+    def keep_all(
+        self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray
+    ) -> None:
+        """Hold every environment's new transition (none ended)."""
+        self.obs[...] = obs
+        self.next_obs[...] = next_obs
+        self.action[...] = action
+        self.reward[...] = reward
 
     def fields(self, envs: np.ndarray) -> dict[str, torch.Tensor]:
         """The held transitions of ``envs`` as sample fields (one step each, none done)."""

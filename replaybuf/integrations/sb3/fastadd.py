@@ -1,0 +1,137 @@
+"""``SB3ReplayBuffer.add``'s fast path: a vectorized step whose arrays already have the exact
+types, shapes and dtypes the buffer stores, taken with a few identity and tuple comparisons and
+no conversion.
+
+It applies to SB3's usual call: numpy arrays from a ``VecEnv`` (observations of the
+observation space's dtype, actions as the algorithm passes them, float32 rewards, bool or float
+dones, a list of dicts), every environment continuing from the observation its last step led
+to, and no segment due to end. It makes the episode-buffer calls the general path
+(:meth:`SB3ReplayBuffer._add_general`) makes, in the same order and with the same values, so
+both leave the buffer in the same state; anything else (another dtype to cast, a list, a jump,
+a segment split, a first add) returns False having changed nothing, and the general path
+checks, converts or raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
+
+_ND = np.ndarray
+Shapes = tuple[tuple[int, ...], ...]  # of (obs, next_obs, action, reward, done)
+_DONE_KINDS = "bf"  # bool or float dones (a VecEnv's bool, SB3's float32 in tests)
+
+
+def add_exact(
+    rb: SB3ReplayBuffer,
+    obs: Any,
+    next_obs: Any,
+    action: Any,
+    reward: Any,
+    done: Any,
+    infos: Any,
+) -> bool:
+    """Record the step as the general path would, if its values need no conversion and no
+    episode has to end before it is appended; False, with nothing changed, otherwise."""
+    if (
+        not rb._primed  # the first add fixes the stored fields: the general path's
+        or type(obs) is not _ND
+        or type(next_obs) is not _ND
+        or type(action) is not _ND
+        or type(reward) is not _ND
+        or type(done) is not _ND
+        or (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) != rb._exact_dtypes
+        or done.dtype.kind not in _DONE_KINDS
+    ):
+        return False
+    shapes = (obs.shape, next_obs.shape, action.shape, reward.shape, done.shape)
+    if shapes != rb._exact_shapes:
+        if shapes not in rb._flat_shapes:  # only [n] discrete observations or actions
+            return False
+        want = rb._obs_want
+        obs, next_obs = obs.reshape(want), next_obs.reshape(want)
+        action = action.reshape(rb._action_want)
+    n = rb.n_envs
+    handle = rb.handle_timeout_termination
+    if handle and not _all_dicts(infos, n):  # as checks.timeouts: only read when handled
+        return False
+    held, starts = rb._held, rb._unstarted
+    # Every env with an episode in progress continues from its held next_obs, bit for bit.
+    if not starts:
+        if obs.tobytes() != held.next_obs.tobytes():
+            return False
+    elif len(starts) < n:
+        going = held.envs()
+        if obs[going].tobytes() != held.next_obs[going].tobytes():
+            return False
+    adds = rb._adds
+    if adds >= rb._split_at:  # some segment may be full: the general path ends it
+        return False
+
+    # Nothing can refuse from here on: the episode-buffer calls of the general path, in order.
+    buf, episode = rb._buffer, rb._episode
+    if starts:
+        seg_start, agents = rb._seg_start, rb._agent_ids
+        for i in starts:
+            episode[i] = buf.start_episode(agent_id=agents[i])
+            seg_start[i] = adds
+        rb._split_at = min(seg_start) + rb.segment_steps  # every env has an episode now
+        # A new list (append_batch's run keeps the one it gets); every env has an episode.
+        rb._ids = ids = cast(list[int], list(episode))
+    else:
+        ids = rb._ids
+    if n == 1:
+        # The per-step append: the same row as a batch of one, fewer calls.
+        buf.append_observation_action_reward(ids[0], obs[0], action[0], reward.reshape(()))
+    else:
+        buf.append_batch(ids, obs, action, reward)
+    ended = done.tolist()
+    if any(ended):
+        pending, finished = held.pending, []
+        for i, end in enumerate(ended):
+            if end:
+                truncated = handle and bool(infos[i].get("TimeLimit.truncated", False))
+                buf.end_episode(ids[i], "truncated" if truncated else "terminated", next_obs[i])
+                episode[i] = None
+                pending[i] = False
+                finished.append(i)
+        held.keep(obs, next_obs, action, reward, done != 0)
+        for i in starts:
+            pending[i] = not ended[i]
+        rb._unstarted = finished
+    else:
+        held.keep_all(obs, next_obs, action, reward)
+        if starts:
+            pending = held.pending
+            for i in starts:
+                pending[i] = True
+            rb._unstarted = []
+    rb._adds = adds + 1
+    return True
+
+
+def _all_dicts(infos: Any, n: int) -> bool:
+    """Whether ``infos`` is a list of ``n`` dicts (anything else: the general path's checks)."""
+    if type(infos) is not list or len(infos) != n:
+        return False
+    if n == 1:
+        return type(infos[0]) is dict
+    return all(type(info) is dict for info in infos)
+
+
+def exact_shapes(
+    n: int, obs: tuple[int, ...], action: tuple[int, ...], discrete_obs: bool
+) -> tuple[Shapes, set[Shapes]]:
+    """The shapes of (obs, next_obs, action, reward, done) the fast path takes as they are, and
+    those it reshapes first: ``[n]`` observations of a ``Discrete`` space and ``[n]`` actions
+    of one dimension, as SB3 passes them and the general path reshapes them."""
+    exact: Shapes = (obs, obs, action, (n,), (n,))
+    obs_forms = [obs, (n,)] if discrete_obs and obs == (n, 1) else [obs]
+    action_forms = [action, (n,)] if action == (n, 1) else [action]
+    flat: set[Shapes] = {(o, o, a, (n,), (n,)) for o in obs_forms for a in action_forms}
+    flat.discard(exact)
+    return exact, flat
