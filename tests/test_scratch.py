@@ -27,7 +27,10 @@ from replaybuf.storage.sweep import FORMAT, STAMP, read_stamp, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
-import os, sys, time, torch
+import os, signal, sys, time, torch
+# What a signal does by default, whatever the parent ignores (nohup ignores SIGHUP).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from replaybuf import ReplayBuffer
 buf = ReplayBuffer("cpu", "cpu", 64, storage="memmap", scratch_dir=sys.argv[1])
 buf.add_batch({"obs": torch.randn(10, 4), "action": torch.arange(10)})
