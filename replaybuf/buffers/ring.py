@@ -304,16 +304,24 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             leaves = to_leaves(experience, batched=False, what="add", spec=spec)
         self._write({key: value.unsqueeze(0) for key, value in leaves.items()}, "add", matched)
 
-    @synchronized
     def add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
         """Add a batch of transitions (leading dimension = rows); keeps the newest on overflow."""
-        self._check_open()
-        spec = self.spec
-        leaves = None if spec is None else spec.match(batch, batched=True)
-        if leaves is not None:  # exactly the spec's fields: nothing to convert or check
-            self._write(leaves, "add_batch", checked=True)
-        else:
-            self._write(to_leaves(batch, batched=True, what="add_batch", spec=spec), "add_batch")
+        # The lock by hand, as the per-step appends take it: a chunk insert is a hot path.
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._check_open()
+            spec = self._slots.spec
+            leaves = None if spec is None else spec.match(batch, batched=True)
+            if leaves is None:
+                leaves = to_leaves(batch, batched=True, what="add_batch", spec=spec)
+                self._write(leaves, "add_batch")
+            elif self._size:  # the spec's fields exactly, into allocated storage
+                self._write_rows(leaves, "add_batch", checked=True)
+            else:
+                self._write(leaves, "add_batch", checked=True)
+        finally:
+            lock.release()
 
     def _write(self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False) -> None:
         """:meth:`_write_rows`; the first write into empty storage, which allocates it, is
