@@ -25,8 +25,11 @@ Workloads (single-threaded, ``torch.set_num_threads(1)``; CPU; in-RAM storages u
       torch tensors), ``append_batch`` of 64 envs, 1,000-row chunks, and 1,000 envs of
       20-step episodes ended and started in bulk (``end_episodes``/``start_episodes``);
 * W5  one shuffled epoch over 1M transitions in batches of 256;
-* scaling: W1 sampling from 10^4 to 10^7 stored steps, n-step sampling from 10 to 10^5
-  stored episodes (same total steps).
+* scaling: W1 and W2 sampling from 10^4 to 10^7 stored steps (W2: 1,000-step episodes, tensor
+  and memmap), each size timed beside its floor holding the same steps; judged by the worst
+  ratio to the floor over the sizes (<= 1.2x at every size: the floor's own time grows with the
+  stored size on a real machine, the ratio is what replaybuf controls). And n-step sampling
+  from 10 to 10^5 stored episodes (same total steps), judged by its spread.
 
 The floor is plain torch (``randint`` + ``index_select`` per field; ``copy_`` for inserts).
 Implementations of one workload are timed round-robin in the same run and compared as ratios
@@ -45,6 +48,7 @@ import json
 import logging
 import math
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -442,12 +446,17 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
 
 
 def section_scaling_steps(cfg: Config, scratch: Path) -> dict[str, Any]:
-    """W1 sampling at each stored size, beside a fixed small probe (the load reference)."""
+    """W1 and W2 sampling at each stored size, each beside its floor holding the same steps.
+
+    W1 is also timed beside a fixed small probe (the load reference of the probe-corrected
+    spreads). W2 runs after W1 has freed its rows, one size at a time: ``cfg.ep_len``-step
+    episodes, the n-step floor and the episode buffers (tensor, memmap) holding them.
+    """
     master = peers.transitions(max(cfg.scale_sizes), seed=1)
     probe = peers.floor_transitions(peers.transitions(10_000, seed=2), BATCH)
     out: dict[str, Any] = {"sizes": list(cfg.scale_sizes), "points": {}}
     for size in cfg.scale_sizes:
-        log(f"    {size:,} stored steps")
+        log(f"    W1, {size:,} stored steps")
         columns = peers.prefix(master, size)
         built = {
             name: peers.build_transitions(name, columns, BATCH, scratch)
@@ -459,8 +468,81 @@ def section_scaling_steps(cfg: Config, scratch: Path) -> dict[str, Any]:
             out["points"][size] = interleaved(work, cfg.scale_repeats)
         finally:
             close_all(built)
-    del master
+    del master, columns
     gc.collect()
+    out["nstep"] = scaling_nstep(cfg, scratch)
+    return out
+
+
+NSTEP_KINDS = {peers.RB_TENSOR: "tensor", peers.RB_MEMMAP: "memmap"}
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def nstep_bytes(count: int, length: int) -> dict[str, int]:
+    """Bytes W2 at ``count`` episodes of ``length`` steps needs while it is built.
+
+    The generated episodes (obs [E, T+1, 17], action, reward), the floor's flat layout (obs and
+    next obs stored, 166 B a step) and, per replaybuf buffer, 200 B a step (153 B measured:
+    the rows, final observations, links and anchors; the rest is margin). RAM holds the
+    episodes, the floor and the tensor buffer; the memmap buffer's rows go to the scratch disk.
+    """
+    steps = count * length
+    episodes = 4 * (count * (length + 1) * peers.OBS + steps * (peers.ACT + 1))
+    floor = steps * (4 * (2 * peers.OBS + peers.ACT + 1) + 2)
+    buffer = 200 * (steps + count)
+    return {"ram": episodes + floor + buffer, "disk": buffer}
+
+
+def scaling_nstep(cfg: Config, scratch: Path) -> dict[str, Any]:
+    """W2 ``sample_n_step`` at each stored size, interleaved with the n-step floor.
+
+    A size whose episodes, floor and buffer would not fit in the memory available now (or
+    whose memmap rows would not fit on the scratch disk) is not built; ``skipped`` says why.
+    """
+    length = cfg.ep_len
+    out: dict[str, Any] = {"ep_len": length, "points": {}, "skipped": {}, "needed_bytes": {}}
+    for size in cfg.scale_sizes:
+        count = max(1, size // length)
+        need = nstep_bytes(count, length)
+        out["needed_bytes"][size] = need
+        free_ram = memory_available()
+        free_disk = shutil.disk_usage(scratch).free
+        short = []
+        if free_ram is not None and need["ram"] > 0.8 * free_ram:
+            short.append(f"needs ~{need['ram'] / 2**30:.1f} GiB RAM, {free_ram / 2**30:.1f} free")
+        if need["disk"] > 0.8 * free_disk:
+            short.append(
+                f"memmap needs ~{need['disk'] / 2**30:.1f} GiB disk, {free_disk / 2**30:.1f} free"
+            )
+        if short:
+            out["skipped"][size] = "; ".join(short)
+            log(f"    W2, {size:,} stored steps: not timed ({out['skipped'][size]})")
+            continue
+        log(f"    W2, {size:,} stored steps ({count:,} episodes of {length:,})")
+        eps = peers.random_episodes(count, length, seed=6)
+        built = {peers.FLOOR: peers.floor_nstep(eps, N_STEP, GAMMA, BATCH)}
+        try:
+            for name, kind in NSTEP_KINDS.items():
+                built[name] = peers.replaybuf_nstep(eps, N_STEP, GAMMA, BATCH, scratch, kind)[0]
+            del eps
+            gc.collect()
+            out["points"][size] = interleaved(
+                {n: Workload(b.sample, cfg.scale_calls) for n, b in built.items()},
+                cfg.scale_repeats,
+            )
+        finally:
+            close_all(built)
     return out
 
 
@@ -553,6 +635,37 @@ def scaling_series(points: dict[Any, dict[str, Any]], name: str) -> tuple[list, 
 def fastest(t: dict[str, Any]) -> float:
     """Seconds per item of the fastest repeat (least disturbed by other processes)."""
     return t["min"] / t["items"]
+
+
+def worst_ratio(points: dict[Any, dict[str, Any]], name: str) -> tuple[float, float]:
+    """The highest ratio of ``name`` to the floor over the sizes timed: from the medians, and
+    from the fastest repeats."""
+    keys = [k for k in points if name in points[k]]
+    medians = [med(points[k][name]) / med(points[k][peers.FLOOR]) for k in keys]
+    fastest_ = [fastest(points[k][name]) / fastest(points[k][peers.FLOOR]) for k in keys]
+    return max(medians), max(fastest_)
+
+
+SCALING_LIMIT = 1.2
+
+
+def scaling_verdict(
+    points: dict[Any, dict[str, Any]], name: str, sizes: list[int], skipped: dict[int, str]
+) -> tuple[bool, str]:
+    """PASS iff ``name`` was timed at every size and its median is within 1.2x of the floor's
+    median in the same interleaved run at each; the target cell lists every size's ratio."""
+    parts, ok = [], True
+    for size in sizes:
+        point = points.get(size)
+        if point is None or name not in point:
+            ok = False
+            why = skipped.get(size, "not timed")
+            parts.append(f"{count(size)} not timed ({why})")
+            continue
+        ratio = med(point[name]) / med(point[peers.FLOOR])
+        ok = ok and ratio <= SCALING_LIMIT
+        parts.append(f"{count(size)} {ratio:.2f}x")
+    return ok, f"<={SCALING_LIMIT:g}x the floor at every size: " + ", ".join(parts)
 
 
 def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
@@ -844,32 +957,70 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
         )
         mark(e[peers.FLOOR], e[kind])
 
-    # ---- scaling
+    # ---- scaling: replaybuf's time within 1.2x of the floor's at every stored size (the
+    # floor's own time grows with the size on this VM; the ratio is what replaybuf controls).
+    # The spreads (max/min over the sizes; W1's corrected by the load probe) are information.
     sc = res["scaling_steps"]
     sizes = sc["sizes"]
     span = f"{count(sizes[0])}..{count(sizes[-1])}"
     floor_raw, floor_corr = scaling_series(sc["points"], peers.FLOOR)
+    _, t_corr = scaling_series(sc["points"], peers.TORCHRL)
+    t_worst, _ = worst_ratio(sc["points"], peers.TORCHRL)
+    peer_worst = {
+        n: worst_ratio(sc["points"], n)[0]
+        for n in PEERS
+        if all(n in v for v in sc["points"].values())
+    }
+    bname = min(peer_worst, key=peer_worst.get) if peer_worst else None
     for kind in (peers.RB_TENSOR, peers.RB_MEMMAP):
         raw, corr = scaling_series(sc["points"], kind)
-        peer_spreads = {
-            n: spread(scaling_series(sc["points"], n)[1])
-            for n in PEERS
-            if all(n in v for v in sc["points"].values())
-        }
-        bname = min(peer_spreads, key=peer_spreads.get) if peer_spreads else None
-        _, t_corr = scaling_series(sc["points"], peers.TORCHRL)
+        worst, fast = worst_ratio(sc["points"], kind)
+        ok, judged = scaling_verdict(sc["points"], kind, sizes, {})
         rows.append(
             Row(
-                f"scaling: W1 sample, {span} stored steps, {kind.split()[1]}",
-                f"{micros(min(floor_raw))}-{micros(max(floor_raw))} ({spread(floor_corr):.2f}x)",
-                f"{micros(min(raw))}-{micros(max(raw))} ({spread(corr):.2f}x)",
-                raw[-1] / floor_raw[-1],
-                "-" if bname is None else f"{bname} {peer_spreads[bname]:.2f}x",
-                f"{spread(t_corr):.2f}x",
-                f"max/min <=1.3x (raw {spread(raw):.2f}x)",
-                spread(corr) <= 1.3,
+                f"scaling: W1 sample({BATCH}), {span} stored steps, {kind.split()[1]}",
+                f"{micros(min(floor_raw))}-{micros(max(floor_raw))} "
+                f"(spread {spread(floor_corr):.2f}x, raw {spread(floor_raw):.2f}x)",
+                f"{micros(min(raw))}-{micros(max(raw))} "
+                f"(spread {spread(corr):.2f}x, raw {spread(raw):.2f}x)",
+                worst,
+                "-" if bname is None else f"{bname} worst {peer_worst[bname]:.2f}x",
+                f"worst {t_worst:.2f}x (spread {spread(t_corr):.2f}x)",
+                judged,
+                ok,
+                fast,
             )
         )
+    ns = sc.get("nstep")  # absent in reports from before W2 was timed against stored size
+    if ns is not None:
+        points = ns["points"]
+        skipped = {int(k): v for k, v in ns["skipped"].items()}
+        for kind in NSTEP_KINDS:
+            if not any(kind in v for v in points.values()) and not skipped:
+                continue
+            ok, judged = scaling_verdict(points, kind, sizes, skipped)
+            timed = [k for k in points if kind in points[k]]
+            raw = [med(points[k][kind]) for k in timed]
+            fl = [med(points[k][peers.FLOOR]) for k in timed]
+            worst, fast = worst_ratio(points, kind) if timed else (None, None)
+            rows.append(
+                Row(
+                    f"scaling: W2 n-step sample({BATCH}, n={N_STEP}), {span} stored steps "
+                    f"({ns['ep_len']:,}-step episodes), {kind.split()[1]}",
+                    "-"
+                    if not fl
+                    else f"{micros(min(fl))}-{micros(max(fl))} (raw spread {spread(fl):.2f}x)",
+                    "-"
+                    if not raw
+                    else f"{micros(min(raw))}-{micros(max(raw))} (raw spread {spread(raw):.2f}x)",
+                    worst,
+                    "-",
+                    "-",
+                    judged,
+                    ok,
+                    fast,
+                )
+            )
     se = res["scaling_episodes"]
     raw, corr = scaling_series(se["points"], peers.RB_TENSOR)
     probe_raw = [med(v["probe"]) for v in se["points"].values()]

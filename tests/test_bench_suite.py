@@ -104,10 +104,22 @@ def test_torchrl_multistep_check_runs(bench):
     assert isinstance(report["correct"], bool)
 
 
+@pytest.fixture(scope="module")
+def tiny(bench, tmp_path_factory):
+    """One run of the suite in its tiny mode (seconds), shared by the tests that read it."""
+    scratch = tmp_path_factory.mktemp("suite")
+    threads = torch.get_num_threads()
+    try:
+        report = bench["suite"].run(bench["suite"].TINY, scratch)
+    finally:
+        torch.set_num_threads(threads)  # the suite runs single-threaded
+    return report, scratch
+
+
 @pytest.mark.slow
-def test_tiny_suite_runs_every_section(bench, tmp_path, one_thread):
+def test_tiny_suite_runs_every_section(bench, tiny, tmp_path):
     suite = bench["suite"]
-    report = suite.run(suite.TINY, tmp_path)
+    report, scratch = tiny
     rows = suite.rows_of(report)
     names = [r.workload for r in rows]
     for prefix in ("W1", "W2", "W3", "W4", "W5", "scaling", "memory"):
@@ -124,7 +136,100 @@ def test_tiny_suite_runs_every_section(bench, tmp_path, one_thread):
     png = tmp_path / "scaling.png"
     suite.plot(report, png)
     assert png.stat().st_size > 0
-    assert not list(tmp_path.glob("replaybuf-*"))  # every buffer closed
+    assert not list(scratch.glob("replaybuf-*"))  # every buffer closed
+
+
+@pytest.mark.slow
+def test_tiny_suite_judges_scaling_by_the_ratio_at_every_size(bench, tiny):
+    """W1 and W2 (tensor, memmap) are timed beside their floor at every stored size, and each
+    row passes iff every size's ratio of medians is within 1.2x; the ratios are in its text."""
+    suite, peers = bench["suite"], bench["peers"]
+    report, _ = tiny
+    sc = report["scaling_steps"]
+    sizes = list(suite.TINY.scale_sizes)
+    assert sc["sizes"] == sizes
+    assert sc["nstep"]["skipped"] == {}  # tiny sizes always fit
+    rows = {r.workload: r for r in suite.rows_of(report)}
+    sources = {"W1": sc["points"], "W2": sc["nstep"]["points"]}
+    found = 0
+    for workload, points in sources.items():
+        for kind in (peers.RB_TENSOR, peers.RB_MEMMAP):
+            storage = kind.split()[1]
+            (name,) = [
+                n
+                for n in rows
+                if n.startswith(f"scaling: {workload} ") and n.endswith(f", {storage}")
+            ]
+            row = rows[name]
+            assert sorted(points) == sizes
+            ratios = [
+                (points[s][kind]["median"] / points[s][kind]["items"])
+                / (points[s][peers.FLOOR]["median"] / points[s][peers.FLOOR]["items"])
+                for s in sizes
+            ]
+            assert row.ratio == pytest.approx(max(ratios))
+            assert row.ok is all(r <= 1.2 for r in ratios)
+            assert row.target.startswith("<=1.2x the floor at every size")
+            for s, r in zip(sizes, ratios, strict=True):
+                assert f"{suite.count(s)} {r:.2f}x" in row.target
+            found += 1
+    assert found == 4
+    # the episode-count row is still judged by its spread
+    (episodes,) = [n for n in rows if n.startswith("scaling: n-step sample")]
+    assert rows[episodes].target.startswith("max/min <=1.3x")
+
+
+def point(floor_us: float, ours_us: float) -> dict:
+    """A fake interleaved result: the floor's and replaybuf's median seconds per call."""
+    return {
+        name: {"median": us * 1e-6, "min": us * 1e-6, "items": 1, "runs": [us * 1e-6]}
+        for name, us in (("floor", floor_us), ("replaybuf tensor", ours_us))
+    }
+
+
+def test_scaling_verdict_follows_the_floor_not_the_spread(bench):
+    """A floor that grows 5x over the sizes does not fail replaybuf growing with it; one size
+    over 1.2x fails the row even when the spread is flat; an untimed size is a FAIL that says
+    why."""
+    verdict = bench["suite"].scaling_verdict
+    sizes = [10_000, 100_000, 1_000_000, 10_000_000]
+    growing = {s: point(20 * 2**i, 22 * 2**i) for i, s in enumerate(sizes)}  # 8x spread, 1.1x
+    ok, text = verdict(growing, "replaybuf tensor", sizes, {})
+    assert ok
+    assert text == "<=1.2x the floor at every size: 10k 1.10x, 100k 1.10x, 1M 1.10x, 10M 1.10x"
+    flat = {s: point(50, 50) for s in sizes} | {1_000_000: point(50, 61)}  # 1.22x at 1M
+    ok, text = verdict(flat, "replaybuf tensor", sizes, {})
+    assert not ok
+    assert "1M 1.22x" in text
+    partial = {s: growing[s] for s in sizes[:3]}
+    ok, text = verdict(partial, "replaybuf tensor", sizes, {10_000_000: "needs ~5 GiB RAM"})
+    assert not ok
+    assert text.endswith("10M not timed (needs ~5 GiB RAM)")
+
+
+def test_scaling_nstep_says_which_sizes_do_not_fit(bench, tmp_path, monkeypatch):
+    suite = bench["suite"]
+    monkeypatch.setattr(suite, "memory_available", lambda: 0)  # no memory free
+    out = suite.scaling_nstep(suite.TINY, tmp_path)
+    assert out["points"] == {}
+    assert set(out["skipped"]) == set(suite.TINY.scale_sizes)
+    assert all("GiB RAM" in why for why in out["skipped"].values())
+
+
+def test_nstep_memory_estimate_covers_what_is_built(bench, tmp_path):
+    """The memory guard's estimate is at least what the episodes, floor and buffer hold."""
+    suite, peers = bench["suite"], bench["peers"]
+    count, length = 20, 100
+    eps = peers.random_episodes(count, length)
+    held = sum(t.numel() * t.element_size() for t in (eps.obs, eps.action, eps.reward))
+    floor = peers.floor_nstep(eps, 3, 0.99, 256)
+    built, _ = peers.replaybuf_nstep(eps, 3, 0.99, 256, tmp_path)
+    try:
+        need = suite.nstep_bytes(count, length)
+        assert need["ram"] >= held + floor.stored_bytes + built.stored_bytes
+        assert need["disk"] >= built.stored_bytes
+    finally:
+        built.close()
 
 
 @pytest.mark.slow
