@@ -8,8 +8,6 @@ it as ``replay_buffer_class``.
 from __future__ import annotations
 
 import gc
-import io
-import pickle
 import re
 from collections import Counter
 
@@ -437,12 +435,10 @@ def test_sampling_an_empty_buffer_raises_and_one_add_is_enough(make):
 
 
 # --------------------------------------------------------------------------- lifecycle
-def test_reset_close_pickle_and_garbage_collection(make, tmp_path):
+def test_reset_close_and_garbage_collection(make, tmp_path):
     rng = np.random.default_rng(9)
     ours = make(100, n_envs=2)
     feed(vec_steps(rng, 2, 5, BOX_ACTIONS), ours)
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(ours)
     with pytest.raises(NotImplementedError):
         ours._get_samples(np.arange(3))
     ours.reset()
@@ -483,20 +479,3 @@ def test_samples_arrive_on_cuda(make):
     feed(vec_steps(np.random.default_rng(11), 2, 20, BOX_ACTIONS), ours)
     batch = ours.sample(64)
     assert all(t.device.type == "cuda" for t in batch)
-
-
-def test_save_replay_buffer_refuses_and_leaves_no_file(make, tmp_path):
-    """SB3 creates the .pkl before pickling; the refusal removes it (no 0-byte file)."""
-    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=100, learning_starts=10, seed=0)
-    model.replay_buffer = make(100, spaces.Box(-5, 5, (4,)), spaces.Discrete(2))
-    out = tmp_path / "saved"
-    out.mkdir()
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        model.save_replay_buffer(out / "rb.pkl")
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        model.save_replay_buffer(str(out / "rb"))  # SB3 adds the .pkl suffix
-    assert list(out.iterdir()) == []
-    stream = io.BytesIO()  # a stream the caller owns: refused, left to the caller
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        model.save_replay_buffer(stream)
-    assert not stream.closed

@@ -24,13 +24,16 @@ so every transition comes back exactly as it was added.
 
 Differences from SB3's ``ReplayBuffer``, all documented on :class:`SB3ReplayBuffer`: eviction
 removes whole oldest episodes rather than single oldest rows of a ring; ``optimize_memory_usage``
-is refused (never needed: next observations are never copied); the buffer is not picklable
-(``save_replay_buffer``); there are no ``observations``/``actions``/... arrays to read.
+is refused (never needed: next observations are never copied); there are no
+``observations``/``actions``/... arrays to read. ``model.save_replay_buffer`` and
+``load_replay_buffer`` work: the adapter pickles as plain data (its rows copied out of storage)
+and is rebuilt on load with storage of its own.
 
 Modules: :mod:`~replaybuf.integrations.sb3.buffer` (the adapter class),
 :mod:`~replaybuf.integrations.sb3.checks` (its arguments' checks),
 :mod:`~replaybuf.integrations.sb3.fastadd` (``add``'s fast path for exact numpy arguments),
 :mod:`~replaybuf.integrations.sb3.held` (the held-aside newest transitions),
+:mod:`~replaybuf.integrations.sb3.pickling` (what it pickles as, and how it is rebuilt),
 :mod:`~replaybuf.integrations.sb3.samples` (a sample's fields).
 
 Needs the ``sb3`` extra: ``pip install 'replaybuf[sb3]'``.

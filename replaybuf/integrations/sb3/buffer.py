@@ -20,15 +20,13 @@ from replaybuf.args import check_gamma, int_at_least, positive_int
 from replaybuf.buffers import SyncEpisodeReplayBuffer
 from replaybuf.errors import (
     ArgumentError,
-    ArgumentTypeError,
     BufferClosedError,
     EmptyBufferError,
     UnsupportedError,
 )
-from replaybuf.integrations.sb3 import checks
+from replaybuf.integrations.sb3 import checks, pickling
 from replaybuf.integrations.sb3.fastadd import add_exact, exact_shapes
 from replaybuf.integrations.sb3.held import HeldAside
-from replaybuf.integrations.sb3.pickling import discard_partial_pickle
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
 
 _F32 = np.dtype(np.float32)
@@ -84,13 +82,22 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     ``buffer_size - segment_steps`` and ``buffer_size`` transitions, from the most recent
     episodes, and the environments' shares may differ from SB3's exact ``buffer_size // n_envs``.
 
-    Not supported: pickling (``model.save_replay_buffer`` raises ``TypeError`` and leaves no
-    file behind, see :mod:`~replaybuf.integrations.sb3.pickling`; there is no
-    save/load of an ``SB3ReplayBuffer`` yet: ``episode_buffer.save_checkpoint`` saves the stored
-    episodes, not the held-aside newest transitions nor this adapter's state), SB3's
-    index-based ``_get_samples``, and reward normalisation by a ``VecNormalize`` with
-    ``norm_reward=True`` together with ``n_steps > 1`` (SB3 normalises and clips each step's
-    reward; this buffer keeps only the window's sum), which raises ``NotImplementedError``.
+    Pickling (``model.save_replay_buffer`` / ``model.load_replay_buffer``, ``pickle``,
+    ``copy.deepcopy``) round-trips everything: stored transitions, episodes in progress, the
+    held-aside newest transitions, ``pos``/``full`` and the counters, and both samplers' states
+    (the loaded buffer draws what the saved one would have drawn next). The pickle holds plain
+    data, the stored rows copied out of storage (memmap files too: saving needs RAM for one
+    copy of them), never storage objects, locks or files. Loading builds a new buffer with
+    storage of the same ``storage`` choice (``"auto"`` decides again) and its own lock; its
+    memmap files go to a new private folder in the saved ``scratch_dir`` if that folder exists
+    on the loading machine, else in the system temp dir (with a ``RuntimeWarning``). As with
+    any pickle, load only files you trust. ``episode_buffer.save_checkpoint`` saves the stored
+    episodes without pickle, but not the held-aside transitions nor this adapter's state.
+
+    Not supported: SB3's index-based ``_get_samples``, and reward normalisation by a
+    ``VecNormalize`` with ``norm_reward=True`` together with ``n_steps > 1`` (SB3 normalises
+    and clips each step's reward; this buffer keeps only the window's sum), which raises
+    ``NotImplementedError``.
     """
 
     def __init__(
@@ -161,6 +168,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
         self._generator = torch.Generator().manual_seed(seed + 1)
         self._closed = False
+        # What a pickle needs to build the storage again (the folder made absolute: a load may
+        # run from another working directory).
+        self._storage_args = (
+            storage,
+            None if scratch_dir is None else os.path.abspath(scratch_dir),
+        )
         # add's fast path (fastadd): what it compares the arrays with; False (tests) runs every
         # add through the general path.
         self._obs_want = (n_envs, *self.obs_shape)
@@ -426,9 +439,20 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
-        discard_partial_pickle()  # model.save_replay_buffer made the file: it must not stay
-        raise ArgumentTypeError(
-            "SB3ReplayBuffer cannot be pickled (model.save_replay_buffer): its rows live in "
-            "replaybuf storage, and no save/load of the adapter exists yet"
-        )
+        """The pickled state (``model.save_replay_buffer``): plain data, stored rows copied
+        (memmap ones too), see :mod:`~replaybuf.integrations.sb3.pickling`. A closed buffer
+        raises ``BufferClosedError``."""
+        return pickling.state_of(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Build the adapter again from its pickled arguments (new storage of the same
+        ``storage`` choice, its own lock) and load the pickled state into it."""
+        # Any seed: the pickled sampler states replace what it seeds.
+        SB3ReplayBuffer.__init__(self, **pickling.arguments(state), seed=0)
+        try:
+            pickling.restore(self, state)
+        except BaseException:
+            self.close()  # nothing half-made stays behind
+            raise

@@ -1,50 +1,156 @@
-"""The adapter refuses pickling without leaving SB3's half-made file behind.
+"""``SB3ReplayBuffer``'s pickle: what ``model.save_replay_buffer`` writes and
+``model.load_replay_buffer`` reads back.
 
-``model.save_replay_buffer(path)`` is SB3's ``save_to_pkl(path, buffer)``: it creates (or
-truncates) the ``.pkl`` file, then pickles into it, and it does not remove the file when
-pickling raises. The adapter cannot be pickled (its rows live in replaybuf storage), so the
-refusal would leave a 0-byte ``.pkl`` that ``load_replay_buffer`` later fails on with an
-unrelated error. :func:`discard_partial_pickle` finds the file SB3 opened for this pickle and
-removes it before the refusal propagates.
+The pickle holds plain data only, numpy arrays and Python values:
+
+* the arguments that build the adapter again (spaces, sizes, devices as strings, the storage
+  choice and scratch folder);
+* the episode buffer's ``state_dict()`` (rows, episodes in progress, links, counters, sampler
+  state), its tensors as numpy arrays: stored rows are copied out of their storage, memmap
+  files included, so the pickle does not depend on any file;
+* the adapter's own state: each environment's episode in progress and segment start, the
+  held-aside newest transitions, the counters and the sampling generator's state.
+
+No TorchRL storage, lock, thread, file or torch storage is pickled. Loading builds a new adapter
+from the arguments (fresh, empty storage of the same choice, its own lock) and loads the state
+into it with the episode buffer's ``load_state_dict()``, so it samples what the saved one would
+have sampled next and goes on adding where it stopped.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import sys
-from pathlib import Path
-from types import FrameType
+import warnings
+from typing import TYPE_CHECKING, Any
 
-# The SB3 function that opens the file from a path, then pickles into it.
-_SAVE_TO_PKL = ("stable_baselines3.common.save_util", "save_to_pkl")
+import numpy as np
+import torch
+
+from replaybuf.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
+
+FORMAT = 1  # the layout of the pickled state; a later layout raises on this version's load
+# The adapter's attributes that pickle as they are (lists of ints or None, ints, a float, bools).
+ADAPTER_FIELDS = (
+    "_episode",
+    "_ids",
+    "_unstarted",
+    "_seg_start",
+    "_split_at",
+    "_adds",
+    "_discontinuities",
+    "_segments_split",
+    "_primed",
+    "_fast_add",
+)
+HELD_ARRAYS = ("obs", "next_obs", "action", "reward")
 
 
-def discard_partial_pickle(max_depth: int = 8) -> Path | None:
-    """Remove the file SB3's ``save_to_pkl`` opened for the pickle under way, if it did.
+def state_of(rb: SB3ReplayBuffer) -> dict[str, Any]:
+    """What ``rb`` pickles as (see the module docstring)."""
+    rb._check_open()
+    buffer = rb.episode_buffer
+    # Taken under the episode buffer's lock, rows copied: a consistent snapshot.
+    episodes = buffer.state_dict()
+    episodes["tensors"] = {name: _array(t) for name, t in episodes["tensors"].items()}
+    storage, scratch_dir = rb._storage_args
+    held = rb._held
+    return {
+        "format": FORMAT,
+        "arguments": {
+            "buffer_size": rb.max_steps,
+            "observation_space": rb.observation_space,
+            "action_space": rb.action_space,
+            "device": str(rb.device),
+            "n_envs": rb.n_envs,
+            "handle_timeout_termination": rb.handle_timeout_termination,
+            "n_steps": rb.n_steps,
+            "gamma": rb.gamma,
+            "max_episodes": buffer.max_episodes,
+            "segment_steps": rb.segment_steps,
+            "storage": storage,
+            "storing_device": str(buffer.storing_device),
+            "scratch_dir": scratch_dir,
+        },
+        "episode_buffer": episodes,
+        "adapter": {name: _copy(getattr(rb, name)) for name in ADAPTER_FIELDS},
+        "held": {
+            "pending": list(held.pending),
+            **{name: getattr(held, name).copy() for name in HELD_ARRAYS},
+        },
+        "generator": rb._generator.get_state().numpy(),
+    }
 
-    Only a file SB3 opened itself from a ``str`` or ``Path`` (a stream the caller passed is
-    theirs, left alone) and into which nothing was written yet. Returns the removed path.
+
+def arguments(state: Any) -> dict[str, Any]:
+    """The constructor arguments of a pickled adapter, for this machine.
+
+    The saved ``scratch_dir`` is kept if it is an existing folder here; otherwise (another
+    machine, a removed folder) memmap files go to the default, a private folder of the system
+    temp dir, with a ``RuntimeWarning``.
     """
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if (frame.f_globals.get("__name__"), code.co_name) == _SAVE_TO_PKL:
-            break
-        frame = frame.f_back
-    else:
-        return None
-    if frame is None:
-        return None
-    path, file = frame.f_locals.get("path"), frame.f_locals.get("file")
-    if not isinstance(path, (str, os.PathLike)) or not isinstance(file, io.BufferedWriter):
-        return None
-    name = file.name
-    if not isinstance(name, (str, os.PathLike)) or file.closed or file.tell() != 0:
-        return None
-    file.close()
-    target = Path(os.fsdecode(name))
-    target.unlink(missing_ok=True)
-    return target
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ArgumentError(
+            f"SB3ReplayBuffer pickle: expected format {FORMAT}, got {got!r} (saved by another "
+            "version of replaybuf?)"
+        )
+    args = dict(state["arguments"])
+    scratch_dir = args["scratch_dir"]
+    if scratch_dir is not None and not os.path.isdir(scratch_dir):
+        args["scratch_dir"] = None
+        if args["storage"] != "tensor":
+            warnings.warn(
+                f"SB3ReplayBuffer pickle: its scratch_dir {scratch_dir!r} is not a folder here; "
+                "the loaded buffer's memmap files go to the system temp dir",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of pickle.load (above __setstate__)
+            )
+    return args
+
+
+def restore(rb: SB3ReplayBuffer, state: dict[str, Any]) -> None:
+    """Load a pickled state into ``rb``, a new adapter built from :func:`arguments`."""
+    episodes = dict(state["episode_buffer"])
+    episodes["tensors"] = {name: _tensor(a) for name, a in episodes["tensors"].items()}
+    rb.episode_buffer.load_state_dict(episodes)
+    for name, value in state["adapter"].items():
+        if name not in ADAPTER_FIELDS:
+            raise ArgumentError(f"SB3ReplayBuffer pickle: unknown adapter field {name!r}")
+        setattr(rb, name, _copy(value))
+    saved, held = state["held"], rb._held
+    if len(saved["pending"]) != rb.n_envs:
+        raise ArgumentError(
+            f"SB3ReplayBuffer pickle: held-aside transitions for {len(saved['pending'])} "
+            f"environments, expected {rb.n_envs}"
+        )
+    held.pending = [bool(p) for p in saved["pending"]]
+    for name in HELD_ARRAYS:
+        target = getattr(held, name)
+        value = np.asarray(saved[name])
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise ArgumentError(
+                f"SB3ReplayBuffer pickle: held-aside {name} is {value.dtype}{list(value.shape)}, "
+                f"expected {target.dtype}{list(target.shape)}"
+            )
+        target[...] = value
+    rb._generator.set_state(_tensor(state["generator"]))
+
+
+def _copy(value: Any) -> Any:
+    """A list copied (the adapter changes its lists in place), anything else as it is."""
+    return list(value) if isinstance(value, list) else value
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor of the state as a numpy array on the CPU (numpy pickles its bytes directly;
+    a torch tensor would pickle through an in-memory ``torch.save`` of its storage)."""
+    return tensor.detach().to("cpu").numpy()
+
+
+def _tensor(array: Any) -> torch.Tensor:
+    """A pickled array as a CPU tensor (sharing its memory unless it is read-only)."""
+    array = np.asarray(array)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
