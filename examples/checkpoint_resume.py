@@ -1,15 +1,13 @@
 """Train, kill, resume, continue: n-step DQN on CartPole-v1 from a replaybuf checkpoint.
 
-The worker (``--role worker``) trains ``dqn_cartpole.py``'s DQN and every ``checkpoint_every`` env
-steps writes ``ckpt-<step>/``: the buffer with ``buf.save_checkpoint`` and, with ``torch.save``,
-the networks, Adam, the RNGs, the loop's counts and the envs; then ``LATEST`` names it. Started
-again, it resumes with ``SyncEpisodeReplayBuffer.load_checkpoint``. The driver (the default) runs
-a worker, SIGKILLs it, runs it again and checks the curves agree number for number.
+The worker (``--role worker``) trains ``dqn_cartpole.py``'s DQN, every ``checkpoint_every`` env
+steps saves the buffer (``save_checkpoint``) and, with ``torch.save``, networks, Adam, RNGs, counts
+and envs in ``ckpt-<step>/`` named by ``LATEST``; restarted, it resumes there (``load_checkpoint``).
+The driver (default) runs a worker, SIGKILLs it, reruns it and checks the curves agree exactly.
 
     python examples/checkpoint_resume.py                  # full demo; --help lists every knob
-    python examples/checkpoint_resume.py --total-steps 400 --learning-starts 100 \
-        --eval-every 50 --eval-episodes 2 --checkpoint-every 100 --kill-at-step 250 \
-        --out-dir /tmp/smoke                              # smoke test
+    python examples/checkpoint_resume.py --total-steps 400 --learning-starts 100 --eval-every 50 \
+        --eval-episodes 2 --checkpoint-every 100 --kill-at-step 250 --out-dir /tmp/smoke  # smoke
 """
 
 import argparse
@@ -21,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +30,7 @@ from torch import nn
 
 from replaybuf import SyncEpisodeReplayBuffer
 
-ENV_ID = "CartPole-v1"  # an env whose state can be saved whole (see env_state)
+CURVE = re.compile(r"^step\s+(\d+)\s.*recent return (\S+)\s+eval (\S+) ±")  # a curve point
 
 
 def knob(default, doc: str):
@@ -69,9 +66,7 @@ def parse_args() -> Args:
 
 
 @dataclasses.dataclass
-class Progress:
-    """What the training loop has counted and holds; each checkpoint saves all of it."""
-
+class Progress:  # what the training loop has counted and holds; each checkpoint saves all of it
     obs: list  # each env's current observation (a tensor)
     episode_ids: list  # each env's episode in progress
     returns: list  # each env's return so far in that episode
@@ -80,41 +75,19 @@ class Progress:
     base: int | None = None  # ... from here on: the step when learning_starts steps were stored
     episodes: list = dataclasses.field(default_factory=list)  # [env step at its end, return]
 
-
-def due(p: Progress, every: int) -> bool:
-    """At each multiple of ``every``, and at the learner's first turn if one went by before."""
-    return p.step % every == 0 or (p.step == p.base and p.base > every)
+    def due(self, every: int) -> bool:  # each multiple of every, and learning's start if one passed
+        return self.step % every == 0 or (self.step == self.base and self.base > every)
 
 
-def env_state(env: gym.Env, rng: np.random.Generator) -> dict:
-    """A CartPole env whole: state (x, x', θ, θ' in float64), step count, RNG; and ``rng``.
-    Plain numbers and lists, so ``torch.load(weights_only=True)`` reads them back."""
-    core = env.unwrapped
-    return {
-        "state": [float(x) for x in core.state],
-        "elapsed_steps": env.get_wrapper_attr("_elapsed_steps"),
-        "env_rng": core.np_random.bit_generator.state,
-        "rng": rng.bit_generator.state,
-    }
-
-
-def restore_env(env: gym.Env, rng: np.random.Generator, saved: dict) -> None:
-    core = env.unwrapped  # a reset() has satisfied the order check; now overwrite what it set
-    core.state = np.array(saved["state"], dtype=np.float64)
-    core.np_random.bit_generator.state = saved["env_rng"]
-    env.set_wrapper_attr("_elapsed_steps", saved["elapsed_steps"])
-    rng.bit_generator.state = saved["rng"]
-
-
+@torch.no_grad()
 def evaluate(args: Args, q: nn.Module) -> np.ndarray:
     """Returns of ``eval_episodes`` greedy episodes, played side by side (one batched forward)."""
-    envs = gym.make_vec(ENV_ID, args.eval_episodes, vectorization_mode="sync")
+    envs = gym.make_vec("CartPole-v1", args.eval_episodes, vectorization_mode="sync")
     obs, _ = envs.reset(seed=10_000 + args.seed * 1_000)  # env i: this seed + i
     returns, running = np.zeros(args.eval_episodes), np.ones(args.eval_episodes, dtype=bool)
     actions = np.zeros(args.eval_episodes, dtype=np.int64)  # a finished env's is ignored
     while running.any():
-        with torch.no_grad():
-            actions[running] = q(torch.from_numpy(obs[running])).argmax(1).numpy()
+        actions[running] = q(torch.from_numpy(obs[running])).argmax(1).numpy()
         obs, reward, terminated, truncated, _ = envs.step(actions)
         returns += np.where(running, reward, 0.0)
         running &= ~(terminated | truncated)
@@ -123,58 +96,55 @@ def evaluate(args: Args, q: nn.Module) -> np.ndarray:
 
 def save(args: Args, buf: SyncEpisodeReplayBuffer, nets: dict, envs, rngs, p: Progress) -> None:
     """``run_dir/ckpt-<step>/{replay/, agent.pt}``, then ``LATEST`` names it; older ones go."""
-    run_dir, name = Path(args.run_dir), f"ckpt-{p.step:08d}"
+    run_dir, ckpt = Path(args.run_dir), Path(args.run_dir) / f"ckpt-{p.step:08d}"
     state = {key: net.state_dict() for key, net in nets.items()}  # networks, Adam
-    state["torch_rng"] = torch.get_rng_state()
-    state["envs"] = [env_state(env, rng) for env, rng in zip(envs, rngs, strict=True)]
-    state["progress"] = dataclasses.asdict(p)
-    shutil.rmtree(run_dir / name, ignore_errors=True)  # a half-written one from a killed run
-    (run_dir / name).mkdir()
-    buf.save_checkpoint(run_dir / name / "replay", durable=args.durable)
-    torch.save(state, run_dir / name / "agent.pt")
-    (run_dir / ".LATEST.tmp").write_text(name)
-    for path in (run_dir / name / "agent.pt", run_dir / ".LATEST.tmp") if args.durable else ():
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    state["torch_rng"], state["progress"] = torch.get_rng_state(), dataclasses.asdict(p)
+    state["env_states"] = [env.unwrapped.state.tolist() for env in envs]  # x, x', θ, θ' float64
+    state["env_steps"] = [env.get_wrapper_attr("_elapsed_steps") for env in envs]  # TimeLimit's
+    state["rngs"] = [g.bit_generator.state for g in rngs + [e.unwrapped.np_random for e in envs]]
+    buf.save_checkpoint(ckpt / "replay", durable=args.durable)  # makes ckpt/, clears a killed write
+    torch.save(state, ckpt / "agent.pt")
+    (run_dir / ".LATEST.tmp").write_text(ckpt.name)
+    for path in (ckpt / "agent.pt", run_dir / ".LATEST.tmp") if args.durable else ():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
     os.replace(run_dir / ".LATEST.tmp", run_dir / "LATEST")  # the old name or the new, no mix
-    for old in run_dir.glob("ckpt-*"):
-        if old.name != name:
-            shutil.rmtree(old)
-    print(f"checkpoint step {p.step} -> {name}")
+    for old in set(run_dir.glob("ckpt-*")) - {ckpt}:
+        shutil.rmtree(old)
+    print(f"checkpoint step {p.step} -> {ckpt.name}")
 
 
 def train(args: Args) -> None:
     """The worker: resume from ``LATEST`` if there is one, then train and checkpoint."""
-    run_dir, scratch = Path(args.run_dir), Path(args.run_dir) / "scratch"  # scratch: memmaps
-    scratch.mkdir(parents=True, exist_ok=True)
-    envs = [gym.make(ENV_ID) for _ in range(args.num_envs)]
+    torch.set_num_threads(1)  # the fastest for these small networks
+    run_dir = Path(args.run_dir)  # memmaps: the temp folder, where a new buffer sweeps dead ones'
+    envs = [gym.make("CartPole-v1") for _ in range(args.num_envs)]  # its state can be saved whole
     rngs = [np.random.default_rng(args.seed * 1_000 + i) for i in range(args.num_envs)]  # epsilon
     obs = [torch.from_numpy(env.reset(seed=args.seed * 1_000 + i)[0]) for i, env in enumerate(envs)]
-    obs_dim, n_actions, h = obs[0].shape[0], envs[0].action_space.n, 128  # h: hidden units
+    d, n_act, h = obs[0].shape[0], envs[0].action_space.n, 128  # d: obs size, h: hidden units
     torch.manual_seed(args.seed)
-    q = nn.Sequential(
-        nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, n_actions)
-    )
-    target = copy.deepcopy(q)
-    optimizer = torch.optim.Adam(q.parameters(), lr=5e-4)
+    q = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, n_act))
+    target, optimizer = copy.deepcopy(q), torch.optim.Adam(q.parameters(), lr=5e-4)
     nets = {"q": q, "target": target, "optimizer": optimizer}  # what has a state_dict
     if (run_dir / "LATEST").exists():
         ckpt = run_dir / (run_dir / "LATEST").read_text()
-        buf = SyncEpisodeReplayBuffer.load_checkpoint(ckpt / "replay", scratch_dir=scratch)
+        buf = SyncEpisodeReplayBuffer.load_checkpoint(ckpt / "replay")
         state = torch.load(ckpt / "agent.pt", weights_only=True)  # tensors and plain data only
         for key, net in nets.items():
             net.load_state_dict(state[key])
         torch.set_rng_state(state["torch_rng"])
-        for env, rng, saved in zip(envs, rngs, state["envs"], strict=True):
-            restore_env(env, rng, saved)
+        for g, s in zip(rngs + [e.unwrapped.np_random for e in envs], state["rngs"], strict=True):
+            g.bit_generator.state = s
+        for env, x, steps in zip(envs, state["env_states"], state["env_steps"], strict=True):
+            env.unwrapped.state = np.array(x)  # reset() satisfied the order check; overwrite it
+            env.set_wrapper_attr("_elapsed_steps", steps)
         p = Progress(**state["progress"])
         print(
             f"resumed from {ckpt.name}: step {p.step}, {p.updates} gradient steps, "
             f"{len(buf)} valid steps, {buf.stats()['in_progress']} episodes in progress continue"
         )
     else:
-        buf = SyncEpisodeReplayBuffer(max_steps=100_000, seed=args.seed, scratch_dir=scratch)
+        buf = SyncEpisodeReplayBuffer(max_steps=100_000, seed=args.seed)
         ids = [buf.start_episode(agent_id=f"env-{i}") for i in range(args.num_envs)]
         p = Progress(obs, ids, [0.0] * len(envs))
     with buf:
@@ -195,23 +165,19 @@ def train(args: Args) -> None:
                 p.updates += 1
                 if p.updates % 500 == 0:  # a hard target-network update
                     target.load_state_dict(q.state_dict())
-                if due(p, args.eval_every):
+                if p.due(args.eval_every):
                     evals, recent = evaluate(args, q), [r for _, r in p.episodes[-20:]]
                     print(
                         f"step {p.step:>7}  updates {p.updates:>6}  episodes {len(p.episodes):>5}  "
                         f"recent return {np.mean(recent) if recent else np.nan:.4f}  "
                         f"eval {evals.mean():.4f} ± {evals.std():.4f}  loss {loss.item():.6f}"
                     )
-                if due(p, args.checkpoint_every):
+                if p.due(args.checkpoint_every):
                     save(args, buf, nets, envs, rngs, p)
-            i = p.step % args.num_envs  # env step s is env i's
-            ep = p.episode_ids[i]
-            eps = 0.05 + 0.95 * max(0.0, 1.0 - p.step / 10_000)  # 1 -> 0.05 in 10,000 steps
-            if rngs[i].random() < eps:
-                action = int(rngs[i].integers(n_actions))
-            else:
-                with torch.no_grad():
-                    action = int(q(p.obs[i]).argmax())
+            i, ep = p.step % args.num_envs, p.episode_ids[p.step % args.num_envs]
+            explore = rngs[i].random() < 0.05 + 0.95 * max(0.0, 1.0 - p.step / 10_000)  # ε-greedy
+            with torch.no_grad():
+                action = int(rngs[i].integers(n_act)) if explore else int(q(p.obs[i]).argmax())
             next_obs, reward, terminated, truncated, _ = envs[i].step(action)
             buf.append_observation_action_reward(ep, p.obs[i], action=action, reward=float(reward))
             p.returns[i] += float(reward)
@@ -222,17 +188,12 @@ def train(args: Args) -> None:
                 next_obs, _ = envs[i].reset()
                 p.episode_ids[i], p.returns[i] = buf.start_episode(agent_id=f"env-{i}"), 0.0
             p.obs[i], p.step = torch.from_numpy(next_obs), p.step + 1
-            if p.base is None and len(buf) >= args.learning_starts:
-                p.base = p.step  # learning starts
+            p.base = p.step if p.base is None and len(buf) >= args.learning_starts else p.base
     print(f"finished: step {p.step}, {p.updates} gradient steps")
 
 
-CURVE = re.compile(r"^step\s+(\d+)\s.*recent return (\S+)\s+eval (\S+) ±")
-
-
 def run_worker(run_dir: Path, label: str, kill_at: float = np.inf) -> dict[int, str]:
-    """Run a worker with this script's flags on ``run_dir``, echo its output and SIGKILL it once
-    it prints a curve point at ``kill_at`` or later. Its curve lines by env step."""
+    """Run a worker on ``run_dir``, echo it, SIGKILL it at a step >= ``kill_at``; its curve."""
     cmd = [sys.executable, "-u", __file__, *sys.argv[1:], "--role", "worker", "--run-dir", run_dir]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     points = {}
@@ -250,64 +211,40 @@ def run_worker(run_dir: Path, label: str, kill_at: float = np.inf) -> dict[int, 
     return points
 
 
-def plot(args: Args, runs: dict, resumed_from: int, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {"run 1": {"color": "tab:blue"}, "run 2": {"color": "tab:orange"}}
-    for label, points in runs.items():
-        steps, found = sorted(points), [CURVE.match(points[s]) for s in sorted(points)]
-        kw = styles.get(label, {"color": "gray", "lw": 7, "alpha": 0.3, "zorder": 1})
-        ax.plot(steps, [float(m[3]) for m in found], "o-", ms=3, label=f"{label}: eval", **kw)
-        ax.plot(steps, [float(m[2]) for m in found], "--", label=f"{label}: training", **kw)
-    ax.axvline(max(runs["run 1"]), color="tab:red", ls="--", lw=1, label="run 1 killed")
-    ax.axvline(resumed_from, color="tab:green", ls=":", lw=1.5, label="run 2 resumed")
-    title = f"kill and resume from a checkpoint: 3-step DQN, {ENV_ID}"
-    ylabel = f"return (eval: greedy, mean of {args.eval_episodes}; training: last 20 episodes)"
-    ax.set(xlabel="env steps", ylabel=ylabel, title=title)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def drive(args: Args) -> None:
-    began, runs = time.perf_counter(), {}
     # the uninterrupted run goes alongside in a thread; the pool ends before the folders go
     with tempfile.TemporaryDirectory(prefix="dqn-") as tmp, ThreadPoolExecutor() as pool:
         run_dir = Path(args.run_dir or Path(tmp) / "run")
-        if args.reference:
-            reference = pool.submit(run_worker, Path(tmp) / "reference", "reference")
-        runs["run 1"] = run_worker(run_dir, "run 1", kill_at=args.kill_at_step)
-        for folder in (run_dir / "scratch").glob("replaybuf-*"):
-            shutil.rmtree(folder)  # run 1's memmaps: SIGKILL skipped every cleanup
-        latest = run_dir / "LATEST"
-        name = latest.read_text() if latest.exists() else "nothing yet"
-        resumed_from = int(name.split("-")[1]) if latest.exists() else 0
-        print(f"LATEST -> {name}: run 2 resumes at step {resumed_from}")
-        runs["run 2"] = run_worker(run_dir, "run 2")
-        if args.reference:
-            runs["reference"] = reference.result()
-    run1, run2 = runs["run 1"], runs["run 2"]
-    redone = run1.keys() & run2.keys()
-    same = all(run1[s] == run2[s] for s in redone) and all(s > resumed_from for s in run2)
-    print(
-        f"run 2 redid {len(redone)} curve point(s) run 1 had printed after its checkpoint: "
-        f"{'identical' if same else 'DIFFERENT'}"
-    )
-    if args.reference:
+        ref = args.reference and pool.submit(run_worker, Path(tmp) / "reference", "reference")
+        run1 = run_worker(run_dir, "run 1", kill_at=args.kill_at_step)
+        resumed_from = int(latest.read_text()[5:]) if (latest := run_dir / "LATEST").exists() else 0
+        run2 = run_worker(run_dir, "run 2")  # its new memmap storage sweeps run 1's away
+        runs = {"run 1": run1, "run 2": run2, **({"reference": ref.result()} if ref else {})}
+    both = run1.keys() & run2.keys()  # printed by run 1 after the checkpoint run 2 resumed from
+    same = all(run1[s] == run2[s] for s in both) and all(s > resumed_from for s in run2)
+    print(f"run 2 redid {len(both)} curve point(s) of run 1:", "identical" if same else "DIFFERENT")
+    if ref:
         same = same and {**run1, **run2} == runs["reference"]
-        n = len(runs["reference"])
-        print(f"killed + resumed curve == uninterrupted curve at all {n} points: {same}")
-    out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot(args, runs, resumed_from, path := out_dir / "checkpoint_resume.png")
-    print(f"plot written to {path} (total wall {time.perf_counter() - began:.1f}s)")
+        print(f"killed + resumed == uninterrupted at all {len(runs['reference'])} points: {same}")
+    fig, ax = plt.subplots(figsize=(8, 5.5), layout="tight")
+    for k, (label, points) in enumerate(runs.items()):  # run 1, run 2, reference
+        steps, found = sorted(points), [CURVE.match(points[s]) for s in sorted(points)]
+        kw = {"color": f"C{k}"} if k < 2 else {"color": "gray", "lw": 7, "alpha": 0.3, "zorder": 1}
+        ax.plot(steps, [float(m[3]) for m in found], "o-", ms=3, label=f"{label}: eval", **kw)
+        ax.plot(steps, [float(m[2]) for m in found], "--", label=f"{label}: training", **kw)
+    ax.axvline(max(run1), color="tab:red", ls="--", lw=1, label="run 1 killed")
+    ax.axvline(resumed_from, color="tab:green", ls=":", lw=1.5, label="run 2 resumed")
+    ax.set(xlabel="env steps", title="kill and resume from a checkpoint: 3-step DQN, CartPole-v1")
+    ax.set_ylabel(f"return (eval: greedy mean of {args.eval_episodes}; training: last 20 episodes)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=7)
+    path = Path(args.out_dir or Path(__file__).resolve().parent) / "checkpoint_resume.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
     if not same:
         raise SystemExit("the resumed run did not go on as the uninterrupted one")
 
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.role == "worker":
-        torch.set_num_threads(1)  # the fastest for these small networks
-        train(args)
-    else:
-        drive(args)
+    (train if args.role == "worker" else drive)(args)
