@@ -31,6 +31,7 @@ from torchrl.data import TensorDictReplayBuffer
 
 from replaybuf.storage.delivery import Part, PinnedStager, count_rows, rows_of, to_device_async
 from replaybuf.storage.devices import StorageChoice, StorageKind
+from replaybuf.storage.host_gather import host_gather
 from replaybuf.storage.hugepages import advise_huge_pages
 from replaybuf.storage.planning import SlotPlanning
 from replaybuf.storage.quiet import quiet_allocation
@@ -51,6 +52,7 @@ from replaybuf.storage.torchrl_state import (
 )
 
 _CPU = torch.device("cpu")
+_GATHER = "storage.host_gather"  # its entry in derived: how gather reads every field on the host
 
 
 class SlotStorage(SlotPlanning):
@@ -353,18 +355,18 @@ class SlotStorage(SlotPlanning):
         leaves = self._leaves if keys is None else [(k, t) for k, t in self._leaves if k in keys]
         rows = count_rows(slots)
         if device == self.storing_device and isinstance(slots, torch.Tensor):
-            # Nothing to transfer: one gather per field, without building deliver's parts
-            # (paid by every batch of an epoch); in numpy where every field has a numpy view
-            # (see _host_views), with one numpy() of the slots for all fields (_host_rows_of
-            # would make one per field).
-            views = [self._host_views.get(id(t)) for _, t in leaves]
-            if all(view is not None for view in views):
-                at = slots.numpy()
-                # None of the views is None (checked just above), which mypy cannot follow.
-                values = [
-                    torch.from_numpy(view.take(at, axis=0))  # type: ignore[union-attr]
-                    for view in views
-                ]
+            # Nothing to transfer: without building deliver's parts (paid by every batch of an
+            # epoch), on the host where every field has a numpy view (see _host_views): a numpy
+            # take each (see host_gather); for every field, as a batch reads, chosen once per
+            # allocation.
+            if keys is None:
+                take = self.derived.get(_GATHER, False)
+                if take is False:
+                    take = self.derived[_GATHER] = host_gather(self.columns(), self._host_views)
+            else:
+                take = host_gather([t for _, t in leaves], self._host_views)
+            if take is not None:
+                values = take(slots)
             else:
                 values = [torch.index_select(t, 0, slots) for _, t in leaves]
         else:
