@@ -31,7 +31,6 @@ from replaybuf.errors import (
     BufferClosedError,
     EmptyBufferError,
     SchemaError,
-    UnknownFieldError,
 )
 from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
 from replaybuf.sampling.budget import ensure_batch_fits
@@ -40,6 +39,7 @@ from replaybuf.storage import (
     FieldSpec,
     Key,
     SlotStorage,
+    field_key,
     key_name,
     resolve_device,
     resolve_kind,
@@ -98,9 +98,8 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         priority_backend: str = "auto",
         spec: Any = None,
     ) -> None:
-        self._lock = (
-            threading.RLock()
-        )  # every public call runs under it (replaybuf.buffers.locking)
+        # Every public call runs under it (replaybuf.buffers.locking).
+        self._lock = threading.RLock()
         self._device = resolve_device(device, "device")
         self._storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
@@ -461,21 +460,11 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             raise ArgumentTypeError(
                 f"fields must be a non-empty list of field names, got {fields!r}"
             )
-        keys = [self._field_key(f) for f in fields]
+        keys = [field_key(self.spec, f) for f in fields]
         slots = index_tensor(indices, "indices", self._size, self.storing_device)
         td = self._slots.gather(slots, self.device, keys=keys)
         values = tuple(td.get(k) for k in keys)
         return values[0] if len(values) == 1 else values
-
-    def _field_key(self, field: str | Key) -> Key:
-        key = (field,) if isinstance(field, str) else tuple(field)
-        spec = self.spec
-        if spec is not None and isinstance(field, str) and key not in spec:
-            key = tuple(field.split("."))  # "next.obs", as stats() and errors name it
-        if spec is None or key not in spec:
-            known = [".".join(k) for k in spec] if spec is not None else []
-            raise UnknownFieldError(f"unknown field {field!r}; stored fields are {known}")
-        return key
 
     @synchronized
     def sample_all(self) -> TensorDict:

@@ -8,7 +8,7 @@ from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.ragged import Ragged, RaggedColumn
 from replaybuf.storage.ringrow import RowWriter, row_writer
-from replaybuf.storage.schema import Field, FieldSpec, Key, key_name
+from replaybuf.storage.schema import Field, FieldSpec, Key, field_key, key_name
 from replaybuf.storage.slots import SlotStorage
 from replaybuf.storage.space import free_bytes
 from replaybuf.storage.staging import RowStager
@@ -30,6 +30,7 @@ __all__ = [
     "SlotStorage",
     "build_tensordict",
     "decode",
+    "field_key",
     "free_bytes",
     "key_name",
     "nest",

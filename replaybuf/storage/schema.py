@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from replaybuf.errors import ArgumentTypeError, SchemaError
+from replaybuf.errors import ArgumentTypeError, SchemaError, UnknownFieldError
 from replaybuf.storage.ragged import Ragged
 
 Key = tuple[str, ...]
@@ -431,3 +431,15 @@ def _flatten_mapping(data: Mapping, prefix: Key, what: str) -> Iterator[tuple[Ke
             yield from _flatten_mapping(value, key, what)
         else:
             yield key, value
+
+
+def field_key(spec: FieldSpec | None, field: str | Key) -> Key:
+    """The stored key a user names ``field`` by: a name, a key tuple, or a dotted name
+    (``"next.obs"``, as ``stats()`` and errors write nested keys)."""
+    key = (field,) if isinstance(field, str) else tuple(field)
+    if spec is not None and isinstance(field, str) and key not in spec:
+        key = tuple(field.split("."))
+    if spec is None or key not in spec:
+        known = [".".join(k) for k in spec] if spec is not None else []
+        raise UnknownFieldError(f"unknown field {field!r}; stored fields are {known}")
+    return key
