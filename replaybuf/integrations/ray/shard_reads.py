@@ -187,7 +187,7 @@ class ShardedReads(ShardedBase):
                         s,
                         self.num_shards,
                         method,
-                        actor.draw.remote((method, (c, *args), options), what, length),
+                        actor.draw.remote(((method, (c, *args), options), what, length)),
                     )
                     for s, (actor, c) in enumerate(zip(self._actors, counts, strict=True))
                 )
