@@ -2,8 +2,10 @@
 
 Ray serializes numpy arrays out of band (one object in the shared-memory object store, mapped
 by a reader on the same node), where ``torch``'s pickler would copy each storage into a bytes
-object. The actor's arguments and results pass through :func:`pack_value` /
-:func:`unpack_value` and :func:`pack_result` / :func:`unpack_result`.
+object. A small batch (up to ``INBAND_BYTES``), which Ray copies into its message anyway,
+pickles its arrays in-band instead, as one bytes object. The actor's arguments and results
+pass through :func:`pack_value` / :func:`unpack_value` and :func:`pack_result` /
+:func:`unpack_result`.
 """
 
 from __future__ import annotations
