@@ -375,6 +375,25 @@ def test_packed_batches_keep_keys_dtypes_and_values():
         pack_batch({"observation": torch.zeros(2)})
 
 
+def test_small_packed_batches_pickle_in_band_and_large_ones_out_of_band():
+    """Below the inline size a batch is one bytes object in the pickle (no out-of-band
+    buffers for Ray to track); above it its arrays are left to Ray's zero-copy buffers."""
+    from replaybuf.integrations.ray.packing import INBAND_BYTES
+
+    for rows, in_band in ((4, True), (INBAND_BYTES // 4 + 1, False)):
+        batch = TensorDict(
+            {"x": torch.arange(rows, dtype=torch.float32), "y": {"z": torch.ones(rows, 2)}},
+            batch_size=[rows],
+        )
+        packed = pack_batch(batch)
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(packed, protocol=5, buffer_callback=buffers.append)
+        assert (len(buffers) == 0) == in_band
+        back = unpack_batch(pickle.loads(data, buffers=buffers))
+        assert torch.equal(back["x"], batch["x"])
+        assert torch.equal(back["y", "z"], batch["y", "z"])
+
+
 def test_without_ray_the_module_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees without the extra
     monkeypatch.delitem(sys.modules, "replaybuf.integrations.ray")

@@ -14,6 +14,7 @@ import pickle
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -342,3 +343,56 @@ async def test_bad_arguments_and_checkpoints_are_refused_clearly(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="not a readable JSON manifest"):
         await ShardedEpisodeReplayBuffer.open(tmp_path)
     assert obs(0, 0, 0).shape == (4,)  # the reused writers' observation layout
+
+
+def test_packed_batches_merge_as_their_tensordicts_would():
+    """The one-pass merge of packed shard batches gives the rows, ids and weights (and the
+    shuffle) of slicing, globalizing, rescaling and merging their TensorDicts; text fields
+    leave it to the TensorDicts."""
+    from tensordict import NonTensorStack, TensorDict
+
+    from replaybuf.integrations.ray.packing import pack_batch, unpack_batch
+    from replaybuf.integrations.ray.shard_routing import (
+        globalize,
+        merge,
+        merge_packed,
+        rescale_weights,
+    )
+
+    def batch(rows: int, tail: tuple[int, ...], seed: int) -> TensorDict:
+        g = torch.Generator().manual_seed(seed)
+        shape = (rows, *tail)
+        return TensorDict(
+            {
+                "observation": torch.randn(*shape, 3, generator=g),
+                "next": {"reward": torch.randn(*shape, generator=g).to(torch.bfloat16)},
+                "done": torch.rand(*shape, generator=g) < 0.5,
+                "episode_id": torch.randint(0, 50, shape, generator=g),
+                "index": torch.randint(0, 500, shape, generator=g),
+                "weight": torch.rand(*shape, generator=g),
+            },
+            batch_size=shape,
+        )
+
+    for tail in ((), (4,)):
+        for takes in ([(0, 7, 1.0)], [(0, 7, 1.0), (1, 5, 0.37)], [(0, 3, 0.8), (0, 2, 0.8)]):
+            parts = [
+                (pack_batch(batch(9, tail, i)), rows, s, f) for i, (s, rows, f) in enumerate(takes)
+            ]
+            fast = merge_packed(parts, 3, np.random.default_rng(5), torch.device("cpu"))
+            pieces = [
+                rescale_weights(globalize(unpack_batch(p)[:rows], s, 3), f)
+                for p, rows, s, f in parts
+            ]
+            slow = merge(pieces, np.random.default_rng(5))
+            assert fast is not None
+            assert fast.batch_size == slow.batch_size
+            assert set(fast.keys(True, True)) == set(slow.keys(True, True))
+            for key in slow.keys(True, True):
+                assert fast[key].dtype == slow[key].dtype, key
+                assert torch.equal(fast[key], slow[key]), key
+            fast["observation"][0] = 0  # owns writable memory
+    texts = batch(4, (), 0)
+    texts["note"] = NonTensorStack(*"abcd")
+    packed = [(pack_batch(texts), 4, 0, 1.0), (pack_batch(texts), 2, 1, 1.0)]
+    assert merge_packed(packed, 2, np.random.default_rng(0), torch.device("cpu")) is None

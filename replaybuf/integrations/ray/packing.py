@@ -2,12 +2,15 @@
 
 Ray serializes numpy arrays out of band (one object in the shared-memory object store, mapped
 by a reader on the same node), where ``torch``'s pickler would copy each storage into a bytes
-object. The actor's arguments and results pass through :func:`pack_value` /
-:func:`unpack_value` and :func:`pack_result` / :func:`unpack_result`.
+object. A small batch (up to ``INBAND_BYTES``), which Ray copies into its message anyway,
+pickles its arrays in-band instead, as one bytes object. The actor's arguments and results
+pass through :func:`pack_value` / :func:`unpack_value` and :func:`pack_result` /
+:func:`unpack_result`.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +31,10 @@ from replaybuf.storage import resolve_device
 # Integer dtypes of each element size: numpy has no bfloat16 / float8, so those travel as bits.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _READ_ONLY = "The given NumPy array is not writable"
+# Ray copies a reply or an argument of up to 100 KiB (its default inline limit) into the
+# message itself, so below that its out-of-band numpy buffers save no copy but cost Ray's
+# bookkeeping of one buffer per array: batches this small travel as one pickled bytes object.
+INBAND_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,28 @@ class PackedBatch:
 
     batch_size: tuple[int, ...]
     leaves: tuple[tuple[tuple[str, ...], Packed], ...]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled with its arrays in-band, as one bytes object, when they are small (see
+        ``INBAND_BYTES``); else as itself, its arrays left to Ray's out-of-band buffers."""
+        if self.nbytes() <= INBAND_BYTES:
+            return _unpickle_batch, (pickle.dumps((self.batch_size, self.leaves), protocol=5),)
+        return PackedBatch, (self.batch_size, self.leaves)
+
+    def nbytes(self) -> int:
+        """The bytes of its arrays (objects not counted)."""
+        total = 0
+        for _, leaf in self.leaves:
+            if isinstance(leaf, PackedArray):
+                total += leaf.array.nbytes
+            elif isinstance(leaf, PackedNested):
+                total += leaf.values.array.nbytes + leaf.offsets.array.nbytes
+        return total
+
+
+def _unpickle_batch(data: bytes) -> PackedBatch:
+    """A :class:`PackedBatch` pickled in-band by its ``__reduce__``."""
+    return PackedBatch(*pickle.loads(data))
 
 
 def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:

@@ -116,11 +116,15 @@ class _ShardActor(_BufferActor):
             return total, valid, smallest, beta
 
     async def draw(
-        self, request: tuple[str, tuple[Any, ...], dict[str, Any]], what: str, length: int
+        self, order: tuple[tuple[str, tuple[Any, ...], dict[str, Any]], str, int]
     ) -> tuple[PackedBatch | None, tuple[float, int, float, float]]:
-        """A sample of ``request[1][0]`` rows (none where that is 0 or this shard has nothing
-        to draw from) and this shard's :meth:`mass` for ``what`` right after it (no other
-        call runs in between)."""
+        """For ``order = (request, what, length)``: a sample of ``request[1][0]`` rows (none
+        where that is 0 or this shard has nothing to draw from) and this shard's :meth:`mass`
+        for ``what`` right after it (no other call runs in between).
+
+        One argument, not three: Ray serializes each argument of a call on its own.
+        """
+        request, what, length = order
         buffer = await self._ready()
         result = None
         if request[1][0] > 0 and self._mass(buffer, what, length)[0] > 0:

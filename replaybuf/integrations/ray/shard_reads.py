@@ -31,11 +31,13 @@ from replaybuf.integrations.ray.shard_routing import (
     ask_counts,
     globalize,
     merge,
+    merge_packed,
     rescale_weights,
     shard_batch,
     split_draws,
     split_id,
     too_few_steps,
+    weight_factor,
 )
 
 
@@ -139,10 +141,7 @@ class ShardedReads(ShardedBase):
                 f"cannot {verb}: no shard holds a step to draw"
                 + (f" ({length} consecutive steps)" if what == "sequences" else "")
             )
-        parts = [
-            None if got is None else unpack_batch(got, self._device, copy=False)
-            for got, _ in replies
-        ]
+        parts = [got for got, _ in replies]
         short = [
             max(0, c - (0 if p is None else p.batch_size[0]))
             for c, p in zip(counts, parts, strict=True)
@@ -151,22 +150,25 @@ class ShardedReads(ShardedBase):
         if any(short):  # the masses moved since the last split: draw the rest
             more = await self._draws(method, what, length, short, args, packed)
             masses += [mass for _, mass in more]
-            extra = [
-                None if got is None else unpack_batch(got, self._device, copy=False)
-                for got, _ in more
-            ]
+            extra = [got for got, _ in more]
         smallest = min(m[2] for m in masses)
         beta = masses[0][3]
-        pieces = []
+        pieces = []  # (packed batch, rows taken, shard, weight factor), in shard order
         for shard, (count, part) in enumerate(zip(counts, parts, strict=True)):
-            took = [] if part is None or not count else [part[:count]]
+            factor = weight_factor(masses[shard][2], smallest, beta)
+            if part is not None and count:
+                pieces.append((part, min(count, part.batch_size[0]), shard, factor))
             if short[shard] and extra[shard] is not None:
-                took.append(extra[shard])
-            for piece in took:
-                piece = globalize(piece, shard, self.num_shards)
-                pieces.append(rescale_weights(piece, masses[shard][2], smallest, beta))
-        batch = merge(pieces, self._rng)
-        return shard_batch(batch.clone() if len(pieces) == 1 else batch)
+                pieces.append((extra[shard], extra[shard].batch_size[0], shard, factor))
+        batch = merge_packed(pieces, self.num_shards, self._rng, self._device)
+        if batch is None:  # text or jagged fields: merge them as TensorDicts
+            tds = []
+            for part, rows, shard, factor in pieces:
+                piece = unpack_batch(part, self._device, copy=False)[:rows]
+                tds.append(rescale_weights(globalize(piece, shard, self.num_shards), factor))
+            batch = merge(tds, self._rng)
+            batch = batch.clone() if len(tds) == 1 else batch
+        return shard_batch(batch)
 
     async def _draws(
         self,
@@ -185,7 +187,7 @@ class ShardedReads(ShardedBase):
                         s,
                         self.num_shards,
                         method,
-                        actor.draw.remote((method, (c, *args), options), what, length),
+                        actor.draw.remote(((method, (c, *args), options), what, length)),
                     )
                     for s, (actor, c) in enumerate(zip(self._actors, counts, strict=True))
                 )

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from replaybuf.errors import ArgumentTypeError, EmptyBufferError, EpisodeStateError
+from replaybuf.integrations.ray.packing import PackedArray, PackedBatch
 
 # Batch keys holding a shard's local ids: made global when batches leave the handle.
 ID_KEYS = ("episode_id", "index")
@@ -118,18 +119,21 @@ def globalize(batch: TensorDictBase, shard: int, num_shards: int) -> TensorDictB
     return batch
 
 
-def rescale_weights(
-    batch: TensorDictBase, shard_min: float, global_min: float, beta: float
-) -> TensorDictBase:
-    """PER weights normalised by the union's smallest priority, not the shard's.
+def weight_factor(shard_min: float, global_min: float, beta: float) -> float:
+    """What a shard's PER weights are multiplied by to be normalised by the union's smallest
+    priority, not the shard's (1 without priorities or ``beta``).
 
     A shard returns w = (p_i / p_min,shard)^-beta; over the union P(i) = p_i / sum_j p_j, so
     (N P(i))^-beta / max_j (N P(j))^-beta = (p_i / p_min)^-beta = w * (p_min,shard / p_min)^-beta.
     """
-    if "weight" not in batch or beta == 0 or not np.isfinite(shard_min):
-        return batch
-    factor = (shard_min / global_min) ** (-beta)
-    if factor != 1.0:
+    if beta == 0 or not np.isfinite(shard_min):
+        return 1.0
+    return float((shard_min / global_min) ** (-beta))
+
+
+def rescale_weights(batch: TensorDictBase, factor: float) -> TensorDictBase:
+    """A shard's batch with its ``weight`` times :func:`weight_factor`'s ``factor``."""
+    if "weight" in batch and factor != 1.0:
         weight = batch.get("weight")
         batch.set("weight", (weight.double() * factor).to(weight.dtype))
     return batch
@@ -144,6 +148,62 @@ def merge(parts: list[TensorDictBase], rng: np.random.Generator) -> TensorDictBa
     rows = batch.batch_size[0]
     order = torch.from_numpy(rng.permutation(rows)).to(batch.device)
     return batch[order]
+
+
+def merge_packed(
+    pieces: Sequence[tuple[PackedBatch, int, int, float]],
+    num_shards: int,
+    rng: np.random.Generator,
+    device: torch.device,
+) -> TensorDict | None:
+    """:func:`globalize`, :func:`rescale_weights` and :func:`merge` of packed shard batches
+    in one pass per field, on their numpy arrays, into one TensorDict that owns its memory.
+
+    ``pieces`` holds ``(batch, rows, shard, weight factor)``: the first ``rows`` rows of each
+    batch are taken, their ids made global and their ``weight`` times the factor. The rows are
+    shuffled as :func:`merge` shuffles them (the same draw from ``rng``). Each field is one
+    concatenation and one gather, where TensorDicts would slice, set, concatenate and index
+    every field in turn. None where a field is not a plain array (text, jagged tensors, a
+    weight with no numpy dtype) or the batches' fields differ: the caller then merges
+    TensorDicts.
+    """
+    first = pieces[0][0]
+    keys, tail = [key for key, _ in first.leaves], first.batch_size[1:]
+    for packed, _, _, _ in pieces:
+        if [key for key, _ in packed.leaves] != keys or packed.batch_size[1:] != tail:
+            return None
+        for key, leaf in packed.leaves:
+            if not isinstance(leaf, PackedArray):
+                return None
+            if not isinstance(getattr(torch, leaf.dtype, None), torch.dtype):
+                return None  # unpack_batch names the unknown dtype
+            if key == ("weight",) and leaf.dtype != leaf.array.dtype.name:
+                return None  # bfloat16 weights travel as bits: rescale them as tensors
+    rows = sum(take for _, take, _, _ in pieces)
+    order = rng.permutation(rows) if len(pieces) > 1 else None
+    fields: dict[str, Any] = {}
+    for i, key in enumerate(keys):
+        arrays = []
+        for packed, take, shard, factor in pieces:
+            array = cast(PackedArray, packed.leaves[i][1]).array[:take]
+            if len(key) == 1 and key[0] in ID_KEYS:
+                array = array * num_shards + shard
+            elif key == ("weight",) and factor != 1.0:
+                array = (array.astype(np.float64) * factor).astype(array.dtype)
+            arrays.append(array)
+        if order is not None:
+            merged = np.concatenate(arrays).take(order, axis=0)
+        else:
+            merged = np.array(arrays[0])  # a copy: the received array is read-only
+        tensor = torch.from_numpy(merged)
+        dtype = getattr(torch, cast(PackedArray, first.leaves[i][1]).dtype)
+        if tensor.dtype != dtype:  # bits of a dtype numpy lacks
+            tensor = tensor.view(dtype)
+        place = fields
+        for part in key[:-1]:
+            place = place.setdefault(part, {})
+        place[key[-1]] = tensor if device.type == "cpu" else tensor.to(device)
+    return TensorDict(fields, batch_size=[rows, *tail], device=device)
 
 
 def too_few_steps(what: str, have: int, need: int, min_steps: int) -> EmptyBufferError:
