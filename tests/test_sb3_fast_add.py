@@ -194,3 +194,49 @@ def test_the_fast_path_takes_a_vec_envs_usual_adds(tmp_path):
     assert splits > 0
     assert len(calls) <= 1 + splits  # the first add, and the adds that split segments
     rb.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3, 128])
+@pytest.mark.parametrize("p_done", [0.0, 0.05, 0.3])
+def test_staged_one_env_adds_leave_what_general_adds_leave(tmp_path, monkeypatch, stage, p_done):
+    """One env's fast adds are staged and handed to the episode buffer in runs (when the
+    stage is full, before an end, before any read): the state after every kind of read, a
+    pickle round trip and a reset included, is the general path's, whatever the stage holds."""
+    import pickle
+
+    from replaybuf.integrations.sb3 import staged
+
+    monkeypatch.setattr(staged, "_STEPS", stage)
+    made = []
+    for fast in (True, False):
+        rb = SB3ReplayBuffer(
+            60, BOX, ACTIONS, device="cpu", segment_steps=25, max_episodes=12,
+            storage="tensor", scratch_dir=tmp_path, seed=3,
+        )  # fmt: skip
+        rb._fast_add = fast
+        made.append(rb)
+    rng = np.random.default_rng(stage)
+    steps = stream(
+        rng, 1, 400, discrete_obs=False, discrete_actions=False, p_done=p_done, p_jump=0.02,
+        p_odd=0.02,
+    )  # fmt: skip
+    try:
+        for t, step in enumerate(steps):
+            for rb in made:
+                rb.add(*(np.copy(x) if isinstance(x, np.ndarray) else x for x in step))
+            if t % 37 == 36:  # reads that hand the staged steps over
+                assert [rb.size() for rb in made] == [made[1].size()] * 2
+                assert snapshot(made[0]) == snapshot(made[1])
+            if t == 200:
+                made = [pickle.loads(pickle.dumps(rb)) for rb in made] + made
+                for rb in made[2:]:
+                    rb.close()
+                made = made[:2]
+            if t == 300:
+                for rb in made:
+                    rb.reset()
+        assert made[0]._staged.count or p_done > 0.1  # something was left staged at the end
+        assert snapshot(made[0]) == snapshot(made[1])
+    finally:
+        for rb in made:
+            rb.close()

@@ -25,9 +25,10 @@ from replaybuf.errors import (
     UnsupportedError,
 )
 from replaybuf.integrations.sb3 import checks, pickling
-from replaybuf.integrations.sb3.fastadd import add_exact, exact_shapes
+from replaybuf.integrations.sb3.fastadd import add_exact, add_one, exact_shapes
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
+from replaybuf.integrations.sb3.staged import StagedSteps
 
 _F32 = np.dtype(np.float32)
 
@@ -185,6 +186,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
         self._agent_ids = [f"env-{i}" for i in range(n_envs)]
         self._fast_add = True
+        self._add_exact = add_one if n_envs == 1 else add_exact
         self._primed = False  # whether an add fixed the episode buffer's fields
         self._reset_state()
 
@@ -199,6 +201,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # The latest transition of each env, whose next observation is not in storage yet.
         self._held = HeldAside(
             n, self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype
+        )
+        # One env's steps not yet handed to the episode buffer (add's fast path; see staged).
+        self._staged = (
+            StagedSteps(self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype)
+            if n == 1
+            else None
         )
         self._adds = 0
         self._discontinuities = 0
@@ -225,6 +233,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     @property
     def transitions(self) -> int:
         """Transitions ``sample`` draws from (stored steps, the newest of each env included)."""
+        self._hand_over()
         return len(self._buffer) + self._held.count
 
     @property
@@ -232,12 +241,22 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         """The replaybuf episode buffer underneath (sequences, episodes, stats, checkpoints).
 
         Each environment's newest transition is held aside until the next ``add`` and is not
-        in it yet.
+        in it yet. With one environment, ``add`` stages steps and hands them over in runs;
+        reading this property hands them over, so read it again after later adds.
         """
+        self._hand_over()
         return self._buffer
+
+    def _hand_over(self) -> None:
+        """Append the steps ``add`` staged (one env) to the episode buffer: before every read
+        of it and every write by another path."""
+        staged = self._staged
+        if staged is not None and (staged.count or staged.held_at >= 0) and not self._closed:
+            staged.hand_over(self._buffer, self._held)
 
     def stats(self) -> dict[str, Any]:
         """The episode buffer's stats plus this adapter's counters."""
+        self._hand_over()
         return {
             **self._buffer.stats(),
             "transitions": self.transitions,
@@ -262,8 +281,9 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         error (``SchemaError`` naming the argument) the buffer is unchanged."""
         if self._closed:
             self._check_open()
-        if self._fast_add and add_exact(self, obs, next_obs, action, reward, done, infos):
+        if self._fast_add and self._add_exact(self, obs, next_obs, action, reward, done, infos):
             return
+        self._hand_over()
         self._add_general(obs, next_obs, action, reward, done, infos)
 
     def _add_general(
@@ -355,6 +375,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 "n_steps > 1 with a VecNormalize that normalises rewards: SB3 normalises and "
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
+        self._hand_over()
         stored = len(self._buffer)
         total = stored + self._held.count
         if total == 0:
@@ -412,6 +433,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     def reset(self) -> None:
         """Drop every transition (SB3's ``reset``); episode ids keep counting."""
         self._check_open()
+        self._hand_over()
         self._buffer.clear()
         self._reset_state()
 
@@ -421,8 +443,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         Garbage collection and interpreter exit remove them too; ``with SB3ReplayBuffer(...)``
         or ``model.replay_buffer.close()`` does it at a known time.
         """
-        self._closed = True
-        self._buffer.close()
+        try:
+            self._hand_over()  # nothing added is lost before the storage goes
+        finally:
+            self._closed = True
+            self._buffer.close()
 
     @property
     def closed(self) -> bool:

@@ -84,11 +84,7 @@ def add_exact(
         rb._ids = ids = cast(list[int], list(episode))
     else:
         ids = rb._ids
-    if n == 1:
-        # The per-step append: the same row as a batch of one, fewer calls.
-        buf.append_observation_action_reward(ids[0], obs[0], action[0], reward.reshape(()))
-    else:
-        buf.append_batch(ids, obs, action, reward)
+    buf.append_batch(ids, obs, action, reward)
     ended = done.tolist()
     if any(ended):
         pending, finished = held.pending, []
@@ -109,6 +105,84 @@ def add_exact(
             pending = held.pending
             for i in starts:
                 pending[i] = True
+            rb._unstarted = []
+    rb._adds = adds + 1
+    return True
+
+
+def add_one(
+    rb: SB3ReplayBuffer,
+    obs: Any,
+    next_obs: Any,
+    action: Any,
+    reward: Any,
+    done: Any,
+    infos: Any,
+) -> bool:
+    """:func:`add_exact` for one environment: the step is staged (rows of the adapter's own
+    arrays, see :mod:`~replaybuf.integrations.sb3.staged`), and so is the held-aside
+    transition's observation, action and reward (the staged row itself, copied into the
+    held-aside arrays when the steps are handed over); only its next observation is copied."""
+    if (
+        not rb._primed
+        or type(obs) is not _ND
+        or type(next_obs) is not _ND
+        or type(action) is not _ND
+        or type(reward) is not _ND
+        or type(done) is not _ND
+        or (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) != rb._exact_dtypes
+        or done.dtype.kind not in _DONE_KINDS
+    ):
+        return False
+    shapes = (obs.shape, next_obs.shape, action.shape, reward.shape, done.shape)
+    if shapes != rb._exact_shapes:
+        if shapes not in rb._flat_shapes:
+            return False
+        want = rb._obs_want
+        obs, next_obs = obs.reshape(want), next_obs.reshape(want)
+        action = action.reshape(rb._action_want)
+    handle = rb.handle_timeout_termination
+    if handle and (type(infos) is not list or len(infos) != 1 or type(infos[0]) is not dict):
+        return False
+    held = rb._held
+    starting = bool(rb._unstarted)
+    if not starting and obs.tobytes() != held.next_obs.tobytes():
+        return False
+    adds = rb._adds
+    if adds >= rb._split_at:
+        return False
+
+    # Nothing can refuse from here on but handing over a full stage (then nothing changed).
+    buf, staged = rb._buffer, rb._staged
+    assert staged is not None  # made for one env
+    at = staged.count
+    if at == staged.capacity:
+        staged.hand_over(buf, held)
+        at = 0
+    if starting:  # the stage is empty: the last episode's end handed its steps over
+        episode = buf.start_episode(agent_id=rb._agent_ids[0])
+        rb._episode[0] = episode
+        rb._ids = [episode]
+        rb._seg_start[0] = adds
+        rb._split_at = adds + rb.segment_steps
+    if not at:  # the episode in progress (a first add or a jump started it on the general path)
+        staged.episode = rb._episode[0]  # type: ignore[assignment]
+    staged.obs[at] = obs
+    staged.action[at] = action
+    staged.reward[at] = reward[0]
+    staged.count = at + 1
+    if done[0]:
+        truncated = handle and bool(infos[0].get("TimeLimit.truncated", False))
+        staged.hand_over(buf, held)  # the episode's steps, before its end
+        buf.end_episode(staged.episode, "truncated" if truncated else "terminated", next_obs[0])
+        rb._episode[0] = None
+        held.pending[0] = False
+        rb._unstarted = [0]
+    else:
+        staged.held_at = at  # the held-aside transition's obs, action and reward: this row
+        held.next_obs[...] = next_obs
+        if starting:
+            held.pending[0] = True
             rb._unstarted = []
     rb._adds = adds + 1
     return True
