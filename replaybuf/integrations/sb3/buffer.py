@@ -405,8 +405,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self, fields: dict[str, torch.Tensor], env: VecNormalize | None, multi: bool
     ) -> ReplayBufferSamples:
         device = self.device
-        obs, next_obs = fields["obs"], fields["next_obs"]
-        reward = fields["reward"].to(torch.float32).reshape(-1, 1)
+        obs, next_obs, action = fields["obs"], fields["next_obs"], fields["action"]
+        reward = fields["reward"].to(torch.float32).unsqueeze(1)
         if env is not None:
             obs = torch.from_numpy(self._normalize_obs(obs.cpu().numpy(), env))
             next_obs = torch.from_numpy(self._normalize_obs(next_obs.cpu().numpy(), env))
@@ -415,14 +415,15 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         if multi:
             steps = fields["steps"].to(torch.float64).reshape(-1, 1)
             discounts = (self.gamma**steps).to(device=device, dtype=torch.float32)
-        return ReplayBufferSamples(
-            observations=obs.to(device),
-            actions=fields["action"].to(device),
-            next_observations=next_obs.to(device),
-            dones=fields["done"].to(device=device, dtype=torch.float32).reshape(-1, 1),
-            rewards=reward.to(device),
-            discounts=discounts,
-        )
+        done = fields["done"]
+        if done.is_cpu:  # numpy's cast of a small batch costs less than torch's
+            dones = torch.from_numpy(done.numpy().reshape(-1, 1).astype(np.float32))
+        else:
+            dones = done.to(torch.float32).reshape(-1, 1)
+        if device.type != "cpu":  # CPU batches are where they are delivered already
+            obs, action, next_obs = obs.to(device), action.to(device), next_obs.to(device)
+            dones, reward = dones.to(device), reward.to(device)
+        return ReplayBufferSamples(obs, action, next_obs, dones, reward, discounts)
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
         raise UnsupportedError(
