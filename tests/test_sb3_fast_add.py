@@ -240,3 +240,47 @@ def test_staged_one_env_adds_leave_what_general_adds_leave(tmp_path, monkeypatch
     finally:
         for rb in made:
             rb.close()
+
+
+def test_reads_from_another_thread_hand_over_each_staged_step_once(tmp_path):
+    """A learner thread's samples and sizes hand the collector's staged steps over while it
+    adds: every step is stored once, as in a buffer read only at the end."""
+    import threading
+
+    made = [
+        SB3ReplayBuffer(
+            5000, BOX, ACTIONS, device="cpu", storage="tensor", scratch_dir=tmp_path, seed=1
+        )
+        for _ in range(2)
+    ]
+    steps = list(
+        stream(
+            np.random.default_rng(0), 1, 3000, discrete_obs=False, discrete_actions=False,
+            p_done=0.01, p_jump=0.0, p_odd=0.0,
+        )
+    )  # fmt: skip
+    busy, stop = made[0], threading.Event()
+
+    def learner() -> None:
+        while not stop.is_set():
+            busy.sample(8)
+            busy.size()
+
+    for rb in made:
+        rb.add(*steps[0])
+    thread = threading.Thread(target=learner)
+    thread.start()
+    try:
+        for step in steps[1:]:
+            busy.add(*step)
+    finally:
+        stop.set()
+        thread.join()
+    for step in steps[1:]:
+        made[1].add(*step)
+    try:
+        assert busy.stats()["steps"] == made[1].stats()["steps"]
+        assert snapshot(busy)["episodes"] == snapshot(made[1])["episodes"]
+    finally:
+        for rb in made:
+            rb.close()

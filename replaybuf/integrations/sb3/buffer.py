@@ -252,7 +252,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         of it and every write by another path."""
         staged = self._staged
         if staged is not None and (staged.count or staged.held_at >= 0) and not self._closed:
-            staged.hand_over(self._buffer, self._held)
+            with self._buffer._lock:  # add stages under it: the count and rows agree
+                staged.hand_over(self._buffer, self._held)
 
     def stats(self) -> dict[str, Any]:
         """The episode buffer's stats plus this adapter's counters."""

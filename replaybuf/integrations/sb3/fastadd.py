@@ -155,36 +155,43 @@ def add_one(
     # Nothing can refuse from here on but handing over a full stage (then nothing changed).
     buf, staged = rb._buffer, rb._staged
     assert staged is not None  # made for one env
-    at = staged.count
-    if at == staged.capacity:
-        staged.hand_over(buf, held)
-        at = 0
-    if starting:  # the stage is empty: the last episode's end handed its steps over
-        episode = buf.start_episode(agent_id=rb._agent_ids[0])
-        rb._episode[0] = episode
-        rb._ids = [episode]
-        rb._seg_start[0] = adds
-        rb._split_at = adds + rb.segment_steps
-    if not at:  # the episode in progress (a first add or a jump started it on the general path)
-        staged.episode = rb._episode[0]  # type: ignore[assignment]
-    staged.obs[at] = obs
-    staged.action[at] = action
-    staged.reward[at] = reward[0]
-    staged.count = at + 1
-    if done[0]:
-        truncated = handle and bool(infos[0].get("TimeLimit.truncated", False))
-        staged.hand_over(buf, held)  # the episode's steps, before its end
-        buf.end_episode(staged.episode, "truncated" if truncated else "terminated", next_obs[0])
-        rb._episode[0] = None
-        held.pending[0] = False
-        rb._unstarted = [0]
-    else:
-        staged.held_at = at  # the held-aside transition's obs, action and reward: this row
-        held.next_obs[...] = next_obs
-        if starting:
-            held.pending[0] = True
-            rb._unstarted = []
-    rb._adds = adds + 1
+    # Under the episode buffer's lock (re-entrant: its calls below take it again), so that a
+    # hand-over by another thread's read (sample, size) sees the stage and its count agree.
+    lock = buf._lock
+    lock.acquire()
+    try:
+        at = staged.count
+        if at == staged.capacity:
+            staged.hand_over(buf, held)
+            at = 0
+        if starting:  # the stage is empty: the last episode's end handed its steps over
+            episode = buf.start_episode(agent_id=rb._agent_ids[0])
+            rb._episode[0] = episode
+            rb._ids = [episode]
+            rb._seg_start[0] = adds
+            rb._split_at = adds + rb.segment_steps
+        if not at:  # the episode in progress (started here, or by the general path)
+            staged.episode = rb._episode[0]  # type: ignore[assignment]
+        staged.obs[at] = obs
+        staged.action[at] = action
+        staged.reward[at] = reward[0]
+        staged.count = at + 1
+        if done[0]:
+            truncated = handle and bool(infos[0].get("TimeLimit.truncated", False))
+            staged.hand_over(buf, held)  # the episode's steps, before its end
+            buf.end_episode(staged.episode, "truncated" if truncated else "terminated", next_obs[0])
+            rb._episode[0] = None
+            held.pending[0] = False
+            rb._unstarted = [0]
+        else:
+            staged.held_at = at  # the held-aside transition's obs, action and reward: this row
+            held.next_obs[...] = next_obs
+            if starting:
+                held.pending[0] = True
+                rb._unstarted = []
+        rb._adds = adds + 1
+    finally:
+        lock.release()
     return True
 
 

@@ -72,8 +72,10 @@ def one_step_fields(
         buffer._ensure_fits(count, transition_bytes(buffer.spec, 1, 1))
         start = core.anchors.sample_host(count, path.generator)
         w = compiled_windows(plan.windows, start, NO_N, 1, plan.links, plan.rewards, gamma)
-        ends = w.ends  # numpy on this path, though Windows types it as either kind
-        values = host_gathers(plan.observations, plan.steps, ends, start, w.values())  # type: ignore[arg-type]
+        # The windows are numpy arrays on this path, though Windows types them as either kind.
+        ends, info = w.ends, w.values()
+        views = plan.observations, plan.steps
+        values = host_gathers(*views, ends, start, info)  # type: ignore[arg-type]
     finally:
         lock.release()
     by_key = dict(zip(plan.keys, values, strict=True))
