@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from replaybuf.episodes.assign import assign_row
 from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import choose_victims, make_room
 from replaybuf.episodes.staging import drop_run, flush_if_full, pack_staged
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
 _WHAT = "append_steps"
+# Runs of at least this many steps get their bookkeeping as whole arrays (a fixed cost of a
+# few numpy calls); shorter ones the per-step path's, row by row.
+_PACKED = 16
 
 
 def step_count(rewards: Any) -> int:
@@ -77,8 +81,11 @@ def append_steps(
                 raise ArgumentError(
                     f"{_WHAT}: {'.'.join(key)} holds {value.shape[0]} step(s), rewards {count}"
                 )
-    # Room for every step, or nothing changes (CapacityError, RowsPinned).
-    choose_victims(core, count, count, 0, {episode.episode_id})
+    # Room for every step, or nothing changes (CapacityError, RowsPinned). Evicting every
+    # other episode frees all the rows but the episode's own (none quarantined while no
+    # snapshot pins them): if the episode fits then, there is room, and the search is spared.
+    if core.pinned or len(episode.rows) + count > core.max_steps:
+        choose_victims(core, count, count, 0, {episode.episode_id})
     if values is None:
         first = 0
         if core._plan is None:  # the first steps fix the fields: the general path's way
@@ -119,14 +126,19 @@ def stage_steps(core: EpisodeCore, episode: Episode, count: int, values: list[An
             flush_if_full(core, 1)
             if evict:
                 make_room(core, 1, 1, 0, {episode.episode_id})
-            stager.stage_spare(_assign(core, episode, 1)[0], arrays)
+            stager.stage_spare(assign_row(core, episode), arrays)
             done += 1
             continue
         take = min(count - done, room, core.max_steps - core.steps, len(core.free))
         at = len(stager.rows)
         for array, value in zip(arrays, values, strict=True):
             array[at : at + take] = value[done : done + take]
-        stager.rows.extend(_assign(core, episode, take))
+        if take < _PACKED:
+            rows = stager.rows
+            for _ in range(take):
+                rows.append(assign_row(core, episode))
+        else:
+            stager.rows.extend(_assign(core, episode, take))
         done += take
 
 
