@@ -24,8 +24,7 @@ from replaybuf.errors import (
     EmptyBufferError,
     UnsupportedError,
 )
-from replaybuf.integrations.sb3 import checks, pickling
-from replaybuf.integrations.sb3.fastadd import add_exact, add_one, exact_shapes
+from replaybuf.integrations.sb3 import checks, fastadd, pickling
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
 from replaybuf.integrations.sb3.staged import StagedSteps
@@ -181,12 +180,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._action_want = (n_envs, self.action_dim)
         self._exact_dtypes = (self._obs_dtype, self._obs_dtype, self._action_dtype, _F32)
         discrete_obs = isinstance(observation_space, spaces.Discrete)
-        self._exact_shapes, self._flat_shapes = exact_shapes(
+        self._exact_shapes, self._flat_shapes = fastadd.exact_shapes(
             n_envs, self._obs_want, self._action_want, discrete_obs
         )
         self._agent_ids = [f"env-{i}" for i in range(n_envs)]
         self._fast_add = True
-        self._add_exact = add_one if n_envs == 1 else add_exact
         self._primed = False  # whether an add fixed the episode buffer's fields
         self._reset_state()
 
@@ -268,24 +266,9 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         }
 
     # ----------------------------------------------------------------- writes
-    def add(
-        self,
-        obs: np.ndarray,
-        next_obs: np.ndarray,
-        action: np.ndarray,
-        reward: np.ndarray,
-        done: np.ndarray,
-        infos: list[dict[str, Any]],
-    ) -> None:
-        """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
-        next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
-        error (``SchemaError`` naming the argument) the buffer is unchanged."""
-        if self._closed:
-            self._check_open()
-        if self._fast_add and self._add_exact(self, obs, next_obs, action, reward, done, infos):
-            return
-        self._hand_over()
-        self._add_general(obs, next_obs, action, reward, done, infos)
+    # Record one vectorized step (fastadd.add, written there beside its fast path: one Python
+    # call per step, not a method calling it).
+    add = fastadd.add
 
     def _add_general(
         self,

@@ -110,7 +110,7 @@ def add_exact(
     return True
 
 
-def add_one(
+def add(
     rb: SB3ReplayBuffer,
     obs: Any,
     next_obs: Any,
@@ -118,50 +118,62 @@ def add_one(
     reward: Any,
     done: Any,
     infos: Any,
-) -> bool:
-    """:func:`add_exact` for one environment: the step is staged (rows of the adapter's own
-    arrays, see :mod:`~replaybuf.integrations.sb3.staged`), and so is the held-aside
-    transition's observation, action and reward (the staged row itself, copied into the
-    held-aside arrays when the steps are handed over); only its next observation is copied."""
-    if (
-        not rb._primed
-        or type(obs) is not _ND
-        or type(next_obs) is not _ND
-        or type(action) is not _ND
-        or type(reward) is not _ND
-        or type(done) is not _ND
-        or (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) != rb._exact_dtypes
-        or done.dtype.kind not in _DONE_KINDS
+) -> None:
+    """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
+    next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
+    error (``SchemaError`` naming the argument) the buffer is unchanged."""
+    # SB3ReplayBuffer.add itself (a class attribute there), so one Python call per step: with
+    # one env the fast path is written out here; several envs go through add_exact.
+    if rb._closed:
+        rb._check_open()
+    staged = rb._staged
+    if staged is None:
+        if not (rb._fast_add and add_exact(rb, obs, next_obs, action, reward, done, infos)):
+            rb._add_general(obs, next_obs, action, reward, done, infos)
+        return
+    if not (
+        rb._fast_add
+        and rb._primed  # the first add fixes the stored fields: the general path's
+        and type(obs) is _ND
+        and type(next_obs) is _ND
+        and type(action) is _ND
+        and type(reward) is _ND
+        and type(done) is _ND
+        and (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) == rb._exact_dtypes
+        and done.dtype.kind in _DONE_KINDS
     ):
-        return False
-    shapes = (obs.shape, next_obs.shape, action.shape, reward.shape, done.shape)
-    if shapes != rb._exact_shapes:
-        if shapes not in rb._flat_shapes:
-            return False
-        want = rb._obs_want
-        obs, next_obs = obs.reshape(want), next_obs.reshape(want)
-        action = action.reshape(rb._action_want)
+        _general(rb, obs, next_obs, action, reward, done, infos)
+        return
+    o, no, a = obs, next_obs, action  # reshaped where SB3 passes [n] forms
+    shapes: Shapes = (o.shape, no.shape, a.shape, reward.shape, done.shape)
+    if shapes != rb._exact_shapes and shapes in rb._flat_shapes:
+        o, no, a = o.reshape(rb._obs_want), no.reshape(rb._obs_want), a.reshape(rb._action_want)
+        shapes = rb._exact_shapes
     handle = rb.handle_timeout_termination
-    if handle and (type(infos) is not list or len(infos) != 1 or type(infos[0]) is not dict):
-        return False
     held = rb._held
     starting = bool(rb._unstarted)
-    if not starting and obs.tobytes() != held.next_obs.tobytes():
-        return False
-    adds = rb._adds
-    if adds >= rb._split_at:
-        return False
+    if not (
+        shapes == rb._exact_shapes
+        and (not handle or (type(infos) is list and len(infos) == 1 and type(infos[0]) is dict))
+        # the episode in progress continues from its held next_obs, bit for bit
+        and (starting or o.tobytes() == held.next_obs.tobytes())
+        and rb._adds < rb._split_at  # else a segment may be full: the general path ends it
+    ):
+        _general(rb, obs, next_obs, action, reward, done, infos)
+        return
 
-    # Nothing can refuse from here on but handing over a full stage (then nothing changed).
-    buf, staged = rb._buffer, rb._staged
-    assert staged is not None  # made for one env
-    # Under the episode buffer's lock (re-entrant: its calls below take it again), so that a
-    # hand-over by another thread's read (sample, size) sees the stage and its count agree.
+    # The step is staged (rows of the adapter's own arrays, see staged), and so is the
+    # held-aside transition's obs, action and reward (the staged row itself, copied into the
+    # held-aside arrays at a hand-over); only its next observation is copied. The
+    # episode-buffer calls are the general path's, in its order. Under the episode buffer's
+    # lock (re-entrant: those calls take it again), so that a hand-over by another thread's
+    # read (sample, size) sees the stage and its count agree.
+    adds, buf = rb._adds, rb._buffer
     lock = buf._lock
     lock.acquire()
     try:
         at = staged.count
-        if at == staged.capacity:
+        if at == staged.capacity:  # handed over first: a refusal leaves this step unrecorded
             staged.hand_over(buf, held)
             at = 0
         if starting:  # the stage is empty: the last episode's end handed its steps over
@@ -172,27 +184,32 @@ def add_one(
             rb._split_at = adds + rb.segment_steps
         if not at:  # the episode in progress (started here, or by the general path)
             staged.episode = rb._episode[0]  # type: ignore[assignment]
-        staged.obs[at] = obs
-        staged.action[at] = action
+        staged.obs[at] = o
+        staged.action[at] = a
         staged.reward[at] = reward[0]
         staged.count = at + 1
         if done[0]:
             truncated = handle and bool(infos[0].get("TimeLimit.truncated", False))
             staged.hand_over(buf, held)  # the episode's steps, before its end
-            buf.end_episode(staged.episode, "truncated" if truncated else "terminated", next_obs[0])
+            buf.end_episode(staged.episode, "truncated" if truncated else "terminated", no[0])
             rb._episode[0] = None
             held.pending[0] = False
             rb._unstarted = [0]
         else:
-            staged.held_at = at  # the held-aside transition's obs, action and reward: this row
-            held.next_obs[...] = next_obs
+            staged.held_at = at  # the held-aside transition's obs, action and reward
+            held.next_obs[...] = no
             if starting:
                 held.pending[0] = True
                 rb._unstarted = []
         rb._adds = adds + 1
     finally:
         lock.release()
-    return True
+
+
+def _general(rb: SB3ReplayBuffer, *args: Any) -> None:
+    """The general path, after the staged steps are handed over."""
+    rb._hand_over()
+    rb._add_general(*args)
 
 
 def _all_dicts(infos: Any, n: int) -> bool:
