@@ -284,3 +284,25 @@ def test_reads_from_another_thread_hand_over_each_staged_step_once(tmp_path):
     finally:
         for rb in made:
             rb.close()
+
+
+def test_close_after_the_episode_buffer_closed_keeps_quiet(tmp_path):
+    """Steps staged after the episode buffer was closed on its own: closing the adapter does
+    not raise, and a read of the episode buffer raises BufferClosedError as before."""
+    from replaybuf import BufferClosedError
+
+    rb = SB3ReplayBuffer(500, BOX, ACTIONS, device="cpu", storage="tensor", scratch_dir=tmp_path)
+    steps = stream(
+        np.random.default_rng(1), 1, 5, discrete_obs=False, discrete_actions=False,
+        p_done=0.0, p_jump=0.0, p_odd=0.0,
+    )  # fmt: skip
+    first, *rest = steps
+    rb.add(*first)
+    rb.episode_buffer.close()
+    for step in rest:
+        rb.add(*step)
+    assert rb._staged.count
+    with pytest.raises(BufferClosedError):
+        rb.stats()
+    rb.close()
+    rb.close()

@@ -247,9 +247,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
 
     def _hand_over(self) -> None:
         """Append the steps ``add`` staged (one env) to the episode buffer: before every read
-        of it and every write by another path."""
+        of it and every write by another path (none once either is closed: nothing can read
+        them then, and the call that needs the buffer raises ``BufferClosedError`` itself)."""
         staged = self._staged
-        if staged is not None and (staged.count or staged.held_at >= 0) and not self._closed:
+        if staged is None or not (staged.count or staged.held_at >= 0):
+            return
+        if not self._closed and not self._buffer._closed:
             with self._buffer._lock:  # add stages under it: the count and rows agree
                 staged.hand_over(self._buffer, self._held)
 
