@@ -174,3 +174,22 @@ def test_append_steps_refuses_an_unknown_ended_or_oversized_episode(make_episode
     buf.end_episode(episode, "terminated", np.zeros(OBS, np.float32))
     with pytest.raises(EpisodeStateError, match="ended"):
         buf.append_steps(episode, *_rows(episode, 10, 1, False))
+
+
+def test_append_steps_with_extras_stores_what_per_step_appends_store(make_episode_buffer):
+    chunked, stepped = (make_episode_buffer(200, 10, storage="tensor") for _ in "ab")
+    for buf in (chunked, stepped):
+        episode = buf.start_episode()
+        obs, action, reward = _rows(episode, 0, 6, False)
+        logp = np.linspace(-1, 0, 6, dtype=np.float32)
+        flag = np.arange(12, dtype=np.int64).reshape(6, 2)
+        if buf is chunked:
+            buf.append_steps(episode, obs, action, reward, extras={"logp": logp, "flag": flag})
+        else:
+            for i in range(6):
+                extras = {"logp": logp[i, ...], "flag": flag[i]}
+                buf.append_observation_action_reward(episode, obs[i], action[i], reward[i], extras)
+        buf.end_episode(episode, "truncated", np.zeros(OBS, np.float32))
+    assert chunked.stats() == stepped.stats()
+    assert (chunked.get_episode(0) == stepped.get_episode(0)).all()
+    assert (chunked.sample_n_step(32, n=2) == stepped.sample_n_step(32, n=2)).all()
