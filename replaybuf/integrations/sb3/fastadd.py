@@ -8,8 +8,12 @@ dones, a list of dicts), every environment continuing from the observation its l
 to, and no segment due to end. It makes the episode-buffer calls the general path
 (:meth:`SB3ReplayBuffer._add_general`) makes, in the same order and with the same values, so
 both leave the buffer in the same state; anything else (another dtype to cast, a list, a jump,
-a segment split, a first add) returns False having changed nothing, and the general path
-checks, converts or raises.
+a segment split, a first add) goes to the general path, with nothing changed, which checks,
+converts or raises.
+
+:func:`add` is ``SB3ReplayBuffer.add`` itself, with the one-env fast path written out in it
+(its appends staged: :mod:`~replaybuf.integrations.sb3.staged`); :func:`add_exact` is the
+fast path for several envs (one ``append_batch`` per step).
 """
 
 from __future__ import annotations
