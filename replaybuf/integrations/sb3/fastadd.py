@@ -160,15 +160,16 @@ def add(
         shapes == rb._exact_shapes
         and (not handle or (type(infos) is list and len(infos) == 1 and type(infos[0]) is dict))
         # the episode in progress continues from its held next_obs, bit for bit
-        and (starting or o.tobytes() == held.next_obs.tobytes())
+        and (starting or o.tobytes() == (staged.next_obs or held.next_obs.tobytes()))
         and rb._adds < rb._split_at  # else a segment may be full: the general path ends it
     ):
         _general(rb, obs, next_obs, action, reward, done, infos)
         return
 
     # The step is staged (rows of the adapter's own arrays, see staged), and so is the
-    # held-aside transition's obs, action and reward (the staged row itself, copied into the
-    # held-aside arrays at a hand-over); only its next observation is copied. The
+    # held-aside transition: its obs, action and reward are the staged row itself, its next
+    # observation kept as bytes (what the next add's continuity test compares), copied into
+    # the held-aside arrays at a hand-over. The
     # episode-buffer calls are the general path's, in its order. Under the episode buffer's
     # lock (re-entrant: those calls take it again), so that a hand-over by another thread's
     # read (sample, size) sees the stage and its count agree.
@@ -201,7 +202,7 @@ def add(
             rb._unstarted = [0]
         else:
             staged.held_at = at  # the held-aside transition's obs, action and reward
-            held.next_obs[...] = no
+            staged.next_obs = no.tobytes()  # ... and its next observation's bytes
             if starting:
                 held.pending[0] = True
                 rb._unstarted = []

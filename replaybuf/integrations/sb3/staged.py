@@ -45,20 +45,25 @@ class StagedSteps:
         self.reward = np.zeros(self.capacity, dtype=np.float32)
         self.count = 0
         self.episode = -1  # the episode the staged steps belong to (set at its start)
-        # The row holding the held-aside transition's obs, action and reward, not yet copied
-        # into the held-aside arrays (-1: they are there).
+        # The row holding the held-aside transition's obs, action and reward, and the bytes of
+        # its next observation, not yet copied into the held-aside arrays (-1 and None: they
+        # are there).
         self.held_at = -1
+        self.next_obs: bytes | None = None
 
     def hand_over(self, buffer: SyncEpisodeReplayBuffer, held: HeldAside) -> None:
-        """Copy the held-aside transition's row into ``held``, then append the staged steps to
-        their episode; on an error they stay staged (the episode buffer appends none of them
-        then)."""
+        """Copy the held-aside transition (its staged row, its next observation's bytes) into
+        ``held``, then append the staged steps to their episode; on an error they stay staged
+        (the episode buffer appends none of them then)."""
         at = self.held_at
         if at >= 0:
             held.obs[0] = self.obs[at]
             held.action[0] = self.action[at]
             held.reward[0] = self.reward[at]
-            self.held_at = -1
+            next_obs = held.next_obs
+            assert self.next_obs is not None  # kept with held_at
+            next_obs[0] = np.frombuffer(self.next_obs, next_obs.dtype).reshape(next_obs.shape[1:])
+            self.held_at, self.next_obs = -1, None
         count = self.count
         if count == 1:
             # One step: the per-step append (fewer checks than a run of steps).
