@@ -472,6 +472,34 @@ def test_seeded_sampling_is_reproducible(make):
     assert sample_keys(c.sample(64)) == sample_keys(d.sample(64))
 
 
+@pytest.mark.parametrize("storage", ["tensor", "memmap"])
+def test_one_step_fields_are_what_sample_n_step_draws(make, storage):
+    # sample's one-step path draws and gathers without the batch TensorDict: the same
+    # values as sample_n_step(n=1) from the same generator state, and the same next draw.
+    from replaybuf.integrations.sb3.samples import one_step_fields
+
+    rb = make(300, n_envs=2, storage=storage)
+    feed(vec_steps(np.random.default_rng(4), 2, 400, BOX_ACTIONS, p_jump=0.05), rb)
+    buf = rb.episode_buffer
+    state = buf._generator.get_state()
+    fields = one_step_fields(buf, 97, 0.9)
+    assert fields is not None
+    after = buf._generator.get_state()
+    buf._generator.set_state(state)
+    batch = buf.sample_n_step(97, n=1, gamma=0.9)
+    assert torch.equal(buf._generator.get_state(), after)
+    for name, key in (
+        ("obs", "observation"),
+        ("next_obs", "next_observation"),
+        ("action", "action"),
+        ("done", "terminated"),
+        ("reward", "reward"),
+    ):
+        got, want = fields[name], batch.get(key)
+        assert got.dtype == want.dtype, name
+        assert got.numpy().tobytes() == want.numpy().tobytes(), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_samples_arrive_on_cuda(make):

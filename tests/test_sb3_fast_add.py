@@ -194,3 +194,115 @@ def test_the_fast_path_takes_a_vec_envs_usual_adds(tmp_path):
     assert splits > 0
     assert len(calls) <= 1 + splits  # the first add, and the adds that split segments
     rb.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3, 128])
+@pytest.mark.parametrize("p_done", [0.0, 0.05, 0.3])
+def test_staged_one_env_adds_leave_what_general_adds_leave(tmp_path, monkeypatch, stage, p_done):
+    """One env's fast adds are staged and handed to the episode buffer in runs (when the
+    stage is full, before an end, before any read): the state after every kind of read, a
+    pickle round trip and a reset included, is the general path's, whatever the stage holds."""
+    import pickle
+
+    from replaybuf.integrations.sb3 import staged
+
+    monkeypatch.setattr(staged, "_STEPS", stage)
+    made = []
+    for fast in (True, False):
+        rb = SB3ReplayBuffer(
+            60, BOX, ACTIONS, device="cpu", segment_steps=25, max_episodes=12,
+            storage="tensor", scratch_dir=tmp_path, seed=3,
+        )  # fmt: skip
+        rb._fast_add = fast
+        made.append(rb)
+    rng = np.random.default_rng(stage)
+    steps = stream(
+        rng, 1, 400, discrete_obs=False, discrete_actions=False, p_done=p_done, p_jump=0.02,
+        p_odd=0.02,
+    )  # fmt: skip
+    try:
+        for t, step in enumerate(steps):
+            for rb in made:
+                rb.add(*(np.copy(x) if isinstance(x, np.ndarray) else x for x in step))
+            if t % 37 == 36:  # reads that hand the staged steps over
+                assert [rb.size() for rb in made] == [made[1].size()] * 2
+                assert snapshot(made[0]) == snapshot(made[1])
+            if t == 200:
+                made = [pickle.loads(pickle.dumps(rb)) for rb in made] + made
+                for rb in made[2:]:
+                    rb.close()
+                made = made[:2]
+            if t == 300:
+                for rb in made:
+                    rb.reset()
+        assert made[0]._staged.count or p_done > 0.1  # something was left staged at the end
+        assert snapshot(made[0]) == snapshot(made[1])
+    finally:
+        for rb in made:
+            rb.close()
+
+
+def test_reads_from_another_thread_hand_over_each_staged_step_once(tmp_path):
+    """A learner thread's samples and sizes hand the collector's staged steps over while it
+    adds: every step is stored once, as in a buffer read only at the end."""
+    import threading
+
+    made = [
+        SB3ReplayBuffer(
+            5000, BOX, ACTIONS, device="cpu", storage="tensor", scratch_dir=tmp_path, seed=1
+        )
+        for _ in range(2)
+    ]
+    steps = list(
+        stream(
+            np.random.default_rng(0), 1, 3000, discrete_obs=False, discrete_actions=False,
+            p_done=0.01, p_jump=0.0, p_odd=0.0,
+        )
+    )  # fmt: skip
+    busy, stop = made[0], threading.Event()
+
+    def learner() -> None:
+        while not stop.is_set():
+            busy.sample(8)
+            busy.size()
+
+    for rb in made:
+        rb.add(*steps[0])
+    thread = threading.Thread(target=learner)
+    thread.start()
+    try:
+        for step in steps[1:]:
+            busy.add(*step)
+    finally:
+        stop.set()
+        thread.join()
+    for step in steps[1:]:
+        made[1].add(*step)
+    try:
+        assert busy.stats()["steps"] == made[1].stats()["steps"]
+        assert snapshot(busy)["episodes"] == snapshot(made[1])["episodes"]
+    finally:
+        for rb in made:
+            rb.close()
+
+
+def test_close_after_the_episode_buffer_closed_keeps_quiet(tmp_path):
+    """Steps staged after the episode buffer was closed on its own: closing the adapter does
+    not raise, and a read of the episode buffer raises BufferClosedError as before."""
+    from replaybuf import BufferClosedError
+
+    rb = SB3ReplayBuffer(500, BOX, ACTIONS, device="cpu", storage="tensor", scratch_dir=tmp_path)
+    steps = stream(
+        np.random.default_rng(1), 1, 5, discrete_obs=False, discrete_actions=False,
+        p_done=0.0, p_jump=0.0, p_odd=0.0,
+    )  # fmt: skip
+    first, *rest = steps
+    rb.add(*first)
+    rb.episode_buffer.close()
+    for step in rest:
+        rb.add(*step)
+    assert rb._staged.count
+    with pytest.raises(BufferClosedError):
+        rb.stats()
+    rb.close()
+    rb.close()

@@ -42,6 +42,7 @@ from replaybuf.episodes import (
     update_priorities,
 )
 from replaybuf.episodes.bulk import checked_ends, checked_starts, end_many, start_many
+from replaybuf.episodes.steps import append_steps, step_count
 from replaybuf.errors import ArgumentError, ArgumentTypeError, BufferClosedError, EmptyBufferError
 from replaybuf.priority import Prioritizer, check_beta
 from replaybuf.sampling import (
@@ -289,6 +290,25 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
             core.append(episodes, rows)
         finally:
             self._lock.release()
+
+    @synchronized
+    def append_steps(
+        self,
+        episode_id: int,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Record several consecutive steps of one episode (leading dim = steps, ``rewards``
+        ``[steps]``): what that many :meth:`append_observation_action_reward` calls with rows
+        0, 1, ... do, same rows, evictions and seeded draws, in one call. Everything is checked
+        first (values, and room for every step); on an error nothing is appended. Ragged
+        fields go step by step."""
+        self._check_open()
+        episode = self._core.in_progress(episode_id, "append to")
+        count = step_count(rewards)
+        append_steps(self._core, episode, count, observations, actions, rewards, extras)
 
     @synchronized
     def end_episode(

@@ -34,7 +34,8 @@ Modules: :mod:`~replaybuf.integrations.sb3.buffer` (the adapter class),
 :mod:`~replaybuf.integrations.sb3.fastadd` (``add``'s fast path for exact numpy arguments),
 :mod:`~replaybuf.integrations.sb3.held` (the held-aside newest transitions),
 :mod:`~replaybuf.integrations.sb3.pickling` (what it pickles as, and how it is rebuilt),
-:mod:`~replaybuf.integrations.sb3.samples` (a sample's fields).
+:mod:`~replaybuf.integrations.sb3.samples` (a sample's fields),
+:mod:`~replaybuf.integrations.sb3.staged` (one env's steps ``add`` has not handed over yet).
 
 Needs the ``sb3`` extra: ``pip install 'replaybuf[sb3]'``.
 """

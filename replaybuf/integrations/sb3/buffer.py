@@ -24,10 +24,10 @@ from replaybuf.errors import (
     EmptyBufferError,
     UnsupportedError,
 )
-from replaybuf.integrations.sb3 import checks, pickling
-from replaybuf.integrations.sb3.fastadd import add_exact, exact_shapes
+from replaybuf.integrations.sb3 import checks, fastadd, pickling
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
+from replaybuf.integrations.sb3.staged import StagedSteps
 
 _F32 = np.dtype(np.float32)
 
@@ -180,7 +180,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._action_want = (n_envs, self.action_dim)
         self._exact_dtypes = (self._obs_dtype, self._obs_dtype, self._action_dtype, _F32)
         discrete_obs = isinstance(observation_space, spaces.Discrete)
-        self._exact_shapes, self._flat_shapes = exact_shapes(
+        self._exact_shapes, self._flat_shapes = fastadd.exact_shapes(
             n_envs, self._obs_want, self._action_want, discrete_obs
         )
         self._agent_ids = [f"env-{i}" for i in range(n_envs)]
@@ -199,6 +199,12 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         # The latest transition of each env, whose next observation is not in storage yet.
         self._held = HeldAside(
             n, self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype
+        )
+        # One env's steps not yet handed to the episode buffer (add's fast path; see staged).
+        self._staged = (
+            StagedSteps(self.obs_shape, self._obs_dtype, self.action_dim, self._action_dtype)
+            if n == 1
+            else None
         )
         self._adds = 0
         self._discontinuities = 0
@@ -225,6 +231,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     @property
     def transitions(self) -> int:
         """Transitions ``sample`` draws from (stored steps, the newest of each env included)."""
+        self._hand_over()
         return len(self._buffer) + self._held.count
 
     @property
@@ -232,12 +239,26 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         """The replaybuf episode buffer underneath (sequences, episodes, stats, checkpoints).
 
         Each environment's newest transition is held aside until the next ``add`` and is not
-        in it yet.
+        in it yet. With one environment, ``add`` stages steps and hands them over in runs;
+        reading this property hands them over, so read it again after later adds.
         """
+        self._hand_over()
         return self._buffer
+
+    def _hand_over(self) -> None:
+        """Append the steps ``add`` staged (one env) to the episode buffer: before every read
+        of it and every write by another path (none once either is closed: nothing can read
+        them then, and the call that needs the buffer raises ``BufferClosedError`` itself)."""
+        staged = self._staged
+        if staged is None or not (staged.count or staged.held_at >= 0):
+            return
+        if not self._closed and not self._buffer._closed:
+            with self._buffer._lock:  # add stages under it: the count and rows agree
+                staged.hand_over(self._buffer, self._held)
 
     def stats(self) -> dict[str, Any]:
         """The episode buffer's stats plus this adapter's counters."""
+        self._hand_over()
         return {
             **self._buffer.stats(),
             "transitions": self.transitions,
@@ -248,23 +269,9 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         }
 
     # ----------------------------------------------------------------- writes
-    def add(
-        self,
-        obs: np.ndarray,
-        next_obs: np.ndarray,
-        action: np.ndarray,
-        reward: np.ndarray,
-        done: np.ndarray,
-        infos: list[dict[str, Any]],
-    ) -> None:
-        """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
-        next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
-        error (``SchemaError`` naming the argument) the buffer is unchanged."""
-        if self._closed:
-            self._check_open()
-        if self._fast_add and add_exact(self, obs, next_obs, action, reward, done, infos):
-            return
-        self._add_general(obs, next_obs, action, reward, done, infos)
+    # Record one vectorized step (fastadd.add, written there beside its fast path: one Python
+    # call per step, not a method calling it).
+    add = fastadd.add
 
     def _add_general(
         self,
@@ -355,6 +362,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
                 "n_steps > 1 with a VecNormalize that normalises rewards: SB3 normalises and "
                 "clips each step's reward, and this buffer keeps only the n-step sum"
             )
+        self._hand_over()
         stored = len(self._buffer)
         total = stored + self._held.count
         if total == 0:
@@ -384,8 +392,8 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self, fields: dict[str, torch.Tensor], env: VecNormalize | None, multi: bool
     ) -> ReplayBufferSamples:
         device = self.device
-        obs, next_obs = fields["obs"], fields["next_obs"]
-        reward = fields["reward"].to(torch.float32).reshape(-1, 1)
+        obs, next_obs, action = fields["obs"], fields["next_obs"], fields["action"]
+        reward = fields["reward"].to(torch.float32).unsqueeze(1)
         if env is not None:
             obs = torch.from_numpy(self._normalize_obs(obs.cpu().numpy(), env))
             next_obs = torch.from_numpy(self._normalize_obs(next_obs.cpu().numpy(), env))
@@ -394,14 +402,15 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         if multi:
             steps = fields["steps"].to(torch.float64).reshape(-1, 1)
             discounts = (self.gamma**steps).to(device=device, dtype=torch.float32)
-        return ReplayBufferSamples(
-            observations=obs.to(device),
-            actions=fields["action"].to(device),
-            next_observations=next_obs.to(device),
-            dones=fields["done"].to(device=device, dtype=torch.float32).reshape(-1, 1),
-            rewards=reward.to(device),
-            discounts=discounts,
-        )
+        done = fields["done"]
+        if done.is_cpu:  # numpy's cast of a small batch costs less than torch's
+            dones = torch.from_numpy(done.numpy().reshape(-1, 1).astype(np.float32))
+        else:
+            dones = done.to(torch.float32).reshape(-1, 1)
+        if device.type != "cpu":  # CPU batches are where they are delivered already
+            obs, action, next_obs = obs.to(device), action.to(device), next_obs.to(device)
+            dones, reward = dones.to(device), reward.to(device)
+        return ReplayBufferSamples(obs, action, next_obs, dones, reward, discounts)
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
         raise UnsupportedError(
@@ -412,6 +421,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     def reset(self) -> None:
         """Drop every transition (SB3's ``reset``); episode ids keep counting."""
         self._check_open()
+        self._hand_over()
         self._buffer.clear()
         self._reset_state()
 
@@ -421,8 +431,11 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         Garbage collection and interpreter exit remove them too; ``with SB3ReplayBuffer(...)``
         or ``model.replay_buffer.close()`` does it at a known time.
         """
-        self._closed = True
-        self._buffer.close()
+        try:
+            self._hand_over()  # nothing added is lost before the storage goes
+        finally:
+            self._closed = True
+            self._buffer.close()
 
     @property
     def closed(self) -> bool:

@@ -8,8 +8,12 @@ dones, a list of dicts), every environment continuing from the observation its l
 to, and no segment due to end. It makes the episode-buffer calls the general path
 (:meth:`SB3ReplayBuffer._add_general`) makes, in the same order and with the same values, so
 both leave the buffer in the same state; anything else (another dtype to cast, a list, a jump,
-a segment split, a first add) returns False having changed nothing, and the general path
-checks, converts or raises.
+a segment split, a first add) goes to the general path, with nothing changed, which checks,
+converts or raises.
+
+:func:`add` is ``SB3ReplayBuffer.add`` itself, with the one-env fast path written out in it
+(its appends staged: :mod:`~replaybuf.integrations.sb3.staged`); :func:`add_exact` is the
+fast path for several envs (one ``append_batch`` per step).
 """
 
 from __future__ import annotations
@@ -84,11 +88,7 @@ def add_exact(
         rb._ids = ids = cast(list[int], list(episode))
     else:
         ids = rb._ids
-    if n == 1:
-        # The per-step append: the same row as a batch of one, fewer calls.
-        buf.append_observation_action_reward(ids[0], obs[0], action[0], reward.reshape(()))
-    else:
-        buf.append_batch(ids, obs, action, reward)
+    buf.append_batch(ids, obs, action, reward)
     ended = done.tolist()
     if any(ended):
         pending, finished = held.pending, []
@@ -112,6 +112,109 @@ def add_exact(
             rb._unstarted = []
     rb._adds = adds + 1
     return True
+
+
+def add(
+    rb: SB3ReplayBuffer,
+    obs: Any,
+    next_obs: Any,
+    action: Any,
+    reward: Any,
+    done: Any,
+    infos: Any,
+) -> None:
+    """Record one vectorized step: transition ``(obs[i], action[i], reward[i],
+    next_obs[i], done[i])`` for every environment i. Everything is checked first; on an
+    error (``SchemaError`` naming the argument) the buffer is unchanged."""
+    # SB3ReplayBuffer.add itself (a class attribute there), so one Python call per step: with
+    # one env the fast path is written out here; several envs go through add_exact.
+    if rb._closed:
+        rb._check_open()
+    staged = rb._staged
+    if staged is None:
+        if not (rb._fast_add and add_exact(rb, obs, next_obs, action, reward, done, infos)):
+            rb._add_general(obs, next_obs, action, reward, done, infos)
+        return
+    if not (
+        rb._fast_add
+        and rb._primed  # the first add fixes the stored fields: the general path's
+        and type(obs) is _ND
+        and type(next_obs) is _ND
+        and type(action) is _ND
+        and type(reward) is _ND
+        and type(done) is _ND
+        and (obs.dtype, next_obs.dtype, action.dtype, reward.dtype) == rb._exact_dtypes
+        and done.dtype.kind in _DONE_KINDS
+    ):
+        _general(rb, obs, next_obs, action, reward, done, infos)
+        return
+    o, no, a = obs, next_obs, action  # reshaped where SB3 passes [n] forms
+    shapes: Shapes = (o.shape, no.shape, a.shape, reward.shape, done.shape)
+    if shapes != rb._exact_shapes and shapes in rb._flat_shapes:
+        o, no, a = o.reshape(rb._obs_want), no.reshape(rb._obs_want), a.reshape(rb._action_want)
+        shapes = rb._exact_shapes
+    handle = rb.handle_timeout_termination
+    held = rb._held
+    starting = bool(rb._unstarted)
+    if not (
+        shapes == rb._exact_shapes
+        and (not handle or (type(infos) is list and len(infos) == 1 and type(infos[0]) is dict))
+        # the episode in progress continues from its held next_obs, bit for bit
+        and (starting or o.tobytes() == (staged.next_obs or held.next_obs.tobytes()))
+        and rb._adds < rb._split_at  # else a segment may be full: the general path ends it
+    ):
+        _general(rb, obs, next_obs, action, reward, done, infos)
+        return
+
+    # The step is staged (rows of the adapter's own arrays, see staged), and so is the
+    # held-aside transition: its obs, action and reward are the staged row itself, its next
+    # observation kept as bytes (what the next add's continuity test compares), copied into
+    # the held-aside arrays at a hand-over. The
+    # episode-buffer calls are the general path's, in its order. Under the episode buffer's
+    # lock (re-entrant: those calls take it again), so that a hand-over by another thread's
+    # read (sample, size) sees the stage and its count agree.
+    adds, buf = rb._adds, rb._buffer
+    lock = buf._lock
+    lock.acquire()
+    try:
+        at = staged.count
+        if at == staged.capacity:  # handed over first: a refusal leaves this step unrecorded
+            staged.hand_over(buf, held)
+            at = 0
+        if starting:  # the stage is empty: the last episode's end handed its steps over
+            episode = buf.start_episode(agent_id=rb._agent_ids[0])
+            rb._episode[0] = episode
+            rb._ids = [episode]
+            rb._seg_start[0] = adds
+            rb._split_at = adds + rb.segment_steps
+        if not at:  # the episode in progress (started here, or by the general path)
+            staged.episode = rb._episode[0]  # type: ignore[assignment]
+        staged.obs[at] = o
+        staged.action[at] = a
+        staged.reward[at] = reward[0]
+        staged.count = at + 1
+        if done[0]:
+            truncated = handle and bool(infos[0].get("TimeLimit.truncated", False))
+            staged.hand_over(buf, held)  # the episode's steps, before its end
+            buf.end_episode(staged.episode, "truncated" if truncated else "terminated", no[0])
+            rb._episode[0] = None
+            held.pending[0] = False
+            rb._unstarted = [0]
+        else:
+            staged.held_at = at  # the held-aside transition's obs, action and reward
+            staged.next_obs = no.tobytes()  # ... and its next observation's bytes
+            if starting:
+                held.pending[0] = True
+                rb._unstarted = []
+        rb._adds = adds + 1
+    finally:
+        lock.release()
+
+
+def _general(rb: SB3ReplayBuffer, *args: Any) -> None:
+    """The general path, after the staged steps are handed over."""
+    rb._hand_over()
+    rb._add_general(*args)
 
 
 def _all_dicts(infos: Any, n: int) -> bool:

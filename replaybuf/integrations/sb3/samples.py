@@ -7,6 +7,19 @@ import torch
 
 from replaybuf.buffers import SyncEpisodeReplayBuffer
 from replaybuf.integrations.sb3.held import HeldAside
+from replaybuf.sampling.budget import transition_bytes
+from replaybuf.sampling.host import HostNStep
+from replaybuf.sampling.nstep import host_gathers
+from replaybuf.sampling.windows import NO_N, compiled_windows
+
+# What a one-step SB3 sample takes of an n-step batch: field name, batch key.
+_ONE_STEP = (
+    ("obs", ("observation",)),
+    ("next_obs", ("next_observation",)),
+    ("action", ("action",)),
+    ("done", ("terminated",)),
+    ("reward", ("reward",)),
+)
 
 
 def stored_fields(
@@ -19,19 +32,54 @@ def stored_fields(
 ) -> dict[str, torch.Tensor]:
     """``count`` transitions drawn from ``buffer``, as sample fields (``episodes``: each
     environment's episode in progress)."""
-    batch = buffer.sample_n_step(count, n=n_steps, gamma=gamma)
-    obs = batch.get("observation")
+    if n_steps == 1:
+        fields = one_step_fields(buffer, count, gamma)
+        if fields is not None:
+            return fields
+    # The batch's leaves in one pass (its fields are flat: the adapter stores no Dict space).
+    batch = dict(buffer.sample_n_step(count, n=n_steps, gamma=gamma).items())
     fields = {
-        "obs": obs,
-        "action": batch.get("action"),
-        "next_obs": batch.get("next_observation"),
-        "done": batch.get("terminated"),
-        "reward": batch.get("reward"),
-        "steps": batch.get("actual_n"),
+        "obs": batch["observation"],
+        "action": batch["action"],
+        "next_obs": batch["next_observation"],
+        "done": batch["terminated"],
+        "reward": batch["reward"],
+        "steps": batch["actual_n"],
     }
     if n_steps > 1:
-        finish_cut_windows(fields, batch.get("cut"), batch.get("episode_id"), held, episodes, gamma)
+        finish_cut_windows(fields, batch["cut"], batch["episode_id"], held, episodes, gamma)
     return fields
+
+
+def one_step_fields(
+    buffer: SyncEpisodeReplayBuffer, count: int, gamma: float
+) -> dict[str, torch.Tensor] | None:
+    """The fields of ``buffer.sample_n_step(count, n=1, gamma=gamma)`` a one-step sample
+    holds, drawn and gathered as that call's host path (CPU storage and delivery, uniform, no
+    frame stack) draws and gathers them, so the same values for the same generator state,
+    without the batch's other tensors and its TensorDict. None, with nothing drawn, where that
+    path does not apply (``sample_n_step`` then)."""
+    lock = buffer._lock  # as every public call of the buffer: atomic with respect to others
+    lock.acquire()
+    try:
+        buffer._require_steps("sample")
+        path = buffer._chosen_paths().n_step
+        if type(path) is not HostNStep:
+            return None
+        core, plan = path.core, path.plan
+        if core.priorities is not None or plan.frame_stack is not None:
+            return None
+        buffer._ensure_fits(count, transition_bytes(buffer.spec, 1, 1))
+        start = core.anchors.sample_host(count, path.generator)
+        w = compiled_windows(plan.windows, start, NO_N, 1, plan.links, plan.rewards, gamma)
+        # The windows are numpy arrays on this path, though Windows types them as either kind.
+        ends, info = w.ends, w.values()
+        views = plan.observations, plan.steps
+        values = host_gathers(*views, ends, start, info)  # type: ignore[arg-type]
+    finally:
+        lock.release()
+    by_key = dict(zip(plan.keys, values, strict=True))
+    return {name: torch.from_numpy(by_key[key]) for name, key in _ONE_STEP}
 
 
 def finish_cut_windows(
