@@ -32,6 +32,7 @@ What holds, and what cannot:
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ from replaybuf.args import int_at_least
 
 MAX_DEPTH = 1024  # batches held ahead; more is a runaway argument, not a pipeline
 _END = object()  # the wrapped iterator is exhausted
+# Bounds of a full producer's re-check for room (seconds; see _Channel).
+POLL_SHORTEST, POLL_LONGEST = 50e-6, 2e-3
 
 
 class _Failure:
@@ -60,6 +63,11 @@ class _Channel:
 
     The producer reserves room *before* it draws, so at most ``depth`` batches are ever drawn
     and not yet taken (a ``queue.Queue`` would hold a ``depth + 1``-th while it waits to put).
+
+    The consumer wakes a waiting producer only when it takes the last ready batch. Otherwise a
+    full producer re-checks for room on its own, every ``poll`` seconds (a quarter of its last
+    draw): waking a sleeping thread is a system call that can cost the consumer as much as a
+    small draw, and the consumer is the learner, whose time the prefetcher exists to save.
     """
 
     def __init__(self, depth: int) -> None:
@@ -67,12 +75,16 @@ class _Channel:
         self.items: deque[Any] = deque()
         self.cond = threading.Condition()
         self.stopped = False
+        self.poll = POLL_LONGEST
+        self._producer_waits = False
 
     def wait_for_room(self) -> bool:
         """Block until fewer than ``depth`` batches wait; False once stopped."""
         with self.cond:
             while len(self.items) >= self.depth and not self.stopped:
-                self.cond.wait()
+                self._producer_waits = True
+                self.cond.wait(self.poll)
+                self._producer_waits = False
             return not self.stopped
 
     def put(self, item: Any) -> None:
@@ -89,7 +101,8 @@ class _Channel:
             if not self.items:
                 return _END
             item = self.items.popleft()
-            self.cond.notify_all()
+            if not self.items and self._producer_waits:
+                self.cond.notify_all()  # none ready now: the producer must not wait a poll
             return item
 
     def stop(self) -> None:
@@ -106,6 +119,7 @@ def _draw_ahead(source: Iterator[TensorDict], channel: _Channel, cuda: bool) -> 
     """
     try:
         while channel.wait_for_room():
+            started = time.perf_counter()
             try:
                 batch = next(source)
             except StopIteration:
@@ -118,6 +132,8 @@ def _draw_ahead(source: Iterator[TensorDict], channel: _Channel, cuda: bool) -> 
             if cuda:
                 event = torch.cuda.Event()
                 event.record()  # on this thread's current stream, after the batch's copies
+            took = time.perf_counter() - started
+            channel.poll = min(max(took / 4, POLL_SHORTEST), POLL_LONGEST)
             channel.put((batch, event))
     finally:
         close = getattr(source, "close", None)
