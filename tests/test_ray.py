@@ -17,11 +17,12 @@ from collections import Counter
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 ray = pytest.importorskip("ray")
 
 from replaybuf import (  # noqa: E402 - after the skip, as the module is optional
+    ArgumentTypeError,
     BufferClosedError,
     EmptyBufferError,
     EpisodeReplayBuffer,
@@ -392,6 +393,49 @@ def test_small_packed_batches_pickle_in_band_and_large_ones_out_of_band():
         back = unpack_batch(pickle.loads(data, buffers=buffers))
         assert torch.equal(back["x"], batch["x"])
         assert torch.equal(back["y", "z"], batch["y", "z"])
+
+
+def test_in_band_batches_round_trip_every_dtype_and_never_unpickle_objects():
+    """The in-band bytes hold a JSON header and raw arrays: every dtype and shape comes back
+    exactly, views are aligned, and a header naming an object dtype is refused."""
+    from replaybuf.integrations.ray.packing import decode_inband, encode_inband
+
+    rows = 3
+    batch = TensorDict(
+        {
+            "f16": torch.randn(rows, 2).half(),
+            "bf16": torch.randn(rows).bfloat16(),
+            "flag": torch.tensor([True, False, True]),
+            "u8": torch.arange(rows * 5, dtype=torch.uint8).reshape(rows, 5),
+            "i64": torch.arange(rows, dtype=torch.int64),
+            "empty": torch.zeros(rows, 0),
+            "deep": {"f64": torch.randn(rows, 2, 2, dtype=torch.float64)},
+        },
+        batch_size=[rows],
+    )
+    data = encode_inband(pack_batch(batch))
+    packed = decode_inband(data)
+    for _, leaf in packed.leaves:
+        assert leaf.array.ctypes.data % max(1, leaf.array.dtype.alignment) == 0
+    back = unpack_batch(packed)
+    assert set(back.keys(True, True)) == set(batch.keys(True, True))
+    for key in batch.keys(True, True):
+        assert back[key].dtype == batch[key].dtype, key
+        assert torch.equal(back[key], batch[key]), key
+    head = b'{"batch_size": [1], "leaves": [[["x"], "|O", [1], "float32", 0]]}'
+    forged = len(head).to_bytes(8, "little") + head + bytes(64)
+    with pytest.raises(ArgumentTypeError, match="cannot hold objects"):
+        decode_inband(forged)
+
+
+def test_batches_with_objects_leave_their_objects_to_ray():
+    """Text and other objects are not in-band: the batch pickles as itself."""
+    batch = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
+    batch.set("text", NonTensorStack("a", "b"))
+    packed = pack_batch(batch)
+    assert packed.__reduce__()[0] is type(packed)
+    back = unpack_batch(pickle.loads(pickle.dumps(packed)))
+    assert back.get("text").tolist() == ["a", "b"]
 
 
 def test_without_ray_the_module_names_the_extra(monkeypatch):

@@ -2,15 +2,18 @@
 
 Ray serializes numpy arrays out of band (one object in the shared-memory object store, mapped
 by a reader on the same node), where ``torch``'s pickler would copy each storage into a bytes
-object. A small batch (up to ``INBAND_BYTES``), which Ray copies into its message anyway,
-pickles its arrays in-band instead, as one bytes object. The actor's arguments and results
+object. A small batch of arrays (up to ``INBAND_BYTES``), which Ray copies into its message
+anyway, travels in-band instead, as one bytes object: a JSON header (keys, dtypes, shapes) and
+the arrays' raw bytes, read back with ``numpy.frombuffer`` (nothing in it is unpickled). The
+actor's arguments and results
 pass through :func:`pack_value` / :func:`unpack_value` and :func:`pack_result` /
 :func:`unpack_result`.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +36,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _READ_ONLY = "The given NumPy array is not writable"
 # Ray copies a reply or an argument of up to 100 KiB (its default inline limit) into the
 # message itself, so below that its out-of-band numpy buffers save no copy but cost Ray's
-# bookkeeping of one buffer per array: batches this small travel as one pickled bytes object.
+# bookkeeping of one buffer per array: batches this small travel in-band as one bytes object.
 INBAND_BYTES = 64 * 1024
 
 
@@ -73,10 +76,12 @@ class PackedBatch:
     leaves: tuple[tuple[tuple[str, ...], Packed], ...]
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        """Pickled with its arrays in-band, as one bytes object, when they are small (see
+        """In-band, as one bytes object, when it holds arrays only and they are small (see
         ``INBAND_BYTES``); else as itself, its arrays left to Ray's out-of-band buffers."""
-        if self.nbytes() <= INBAND_BYTES:
-            return _unpickle_batch, (pickle.dumps((self.batch_size, self.leaves), protocol=5),)
+        if self.nbytes() <= INBAND_BYTES and all(
+            isinstance(leaf, PackedArray) for _, leaf in self.leaves
+        ):
+            return decode_inband, (encode_inband(self),)
         return PackedBatch, (self.batch_size, self.leaves)
 
     def nbytes(self) -> int:
@@ -90,9 +95,44 @@ class PackedBatch:
         return total
 
 
-def _unpickle_batch(data: bytes) -> PackedBatch:
-    """A :class:`PackedBatch` pickled in-band by its ``__reduce__``."""
-    return PackedBatch(*pickle.loads(data))
+_ALIGN = 64  # each array's offset in an in-band batch, so that frombuffer views are aligned
+
+
+def encode_inband(batch: PackedBatch) -> bytes:
+    """A batch of :class:`PackedArray` leaves as bytes: an 8-byte header length, the JSON
+    header, then each array's bytes at an offset that is a multiple of ``_ALIGN``."""
+    entries, blobs, at = [], [], 0
+    for key, leaf in batch.leaves:
+        assert isinstance(leaf, PackedArray)  # checked by the caller
+        array = np.ascontiguousarray(leaf.array)
+        entries.append([list(key), array.dtype.str, list(array.shape), leaf.dtype, at])
+        blobs.append((at, array.tobytes()))
+        at += -(-array.nbytes // _ALIGN) * _ALIGN
+    head = json.dumps({"batch_size": list(batch.batch_size), "leaves": entries}).encode()
+    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN
+    out = bytearray(start + at)
+    out[:8] = len(head).to_bytes(8, "little")
+    out[8 : 8 + len(head)] = head
+    for offset, blob in blobs:
+        out[start + offset : start + offset + len(blob)] = blob
+    return bytes(out)
+
+
+def decode_inband(data: bytes) -> PackedBatch:
+    """The batch :func:`encode_inband` wrote: arrays are read-only views of ``data``, made by
+    ``numpy.frombuffer`` (an object dtype is refused: nothing is unpickled)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    start = -(-(8 + size) // _ALIGN) * _ALIGN
+    leaves = []
+    for key, np_dtype, shape, dtype, offset in header["leaves"]:
+        kind = np.dtype(np_dtype)
+        if kind.hasobject:
+            raise ArgumentTypeError(f"an in-band batch cannot hold objects, got dtype {kind}")
+        count = math.prod(shape)
+        array = np.frombuffer(data, kind, count, start + offset).reshape(shape)
+        leaves.append((tuple(key), PackedArray(array, dtype)))
+    return PackedBatch(tuple(header["batch_size"]), tuple(leaves))
 
 
 def _pack_tensor(tensor: torch.Tensor, name: str = "tensor") -> PackedArray:
