@@ -24,6 +24,7 @@ pytest.importorskip("gymnasium")
 
 from stable_baselines3 import DQN  # after the skip: the extra is optional
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.save_util import load_from_pkl, save_to_pkl
 from test_sb3 import (
     BOX_ACTIONS,
     OBS,
@@ -337,7 +338,7 @@ def test_memmap_files_go_to_the_saved_scratch_dir_or_else_the_temp_dir(tmp_path,
     assert not list(temp.glob("replaybuf-*"))
 
 
-def test_a_closed_buffer_does_not_pickle_and_a_foreign_state_does_not_load(make):
+def test_a_closed_buffer_loads_closed_and_a_foreign_state_does_not_load(make, tmp_path):
     ours = make(100)
     feed(vec_steps(np.random.default_rng(27), 1, 5, BOX_ACTIONS), ours)
     state = ours.__getstate__()
@@ -345,8 +346,16 @@ def test_a_closed_buffer_does_not_pickle_and_a_foreign_state_does_not_load(make)
     with pytest.raises(ArgumentError, match="format"):
         SB3ReplayBuffer.__new__(SB3ReplayBuffer).__setstate__(state)
     ours.close()
+    # SB3's save_to_pkl opens its file before it pickles: a closed buffer must still pickle,
+    # or an empty .pkl would be left behind.
+    path = tmp_path / "closed.pkl"
+    save_to_pkl(path, ours)
+    assert path.stat().st_size > 0
+    loaded = load_from_pkl(path)
+    assert loaded.closed
+    assert (loaded.n_envs, loaded.max_steps) == (ours.n_envs, ours.max_steps)
     with pytest.raises(BufferClosedError):
-        pickle.dumps(ours)
+        loaded.sample(4)
 
 
 @pytest.mark.gpu

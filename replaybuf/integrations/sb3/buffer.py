@@ -456,7 +456,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state (``model.save_replay_buffer``): plain data, stored rows copied
         (memmap ones too), see :mod:`~replaybuf.integrations.sb3.pickling`. A closed buffer
-        raises ``BufferClosedError``."""
+        pickles as closed and loads closed."""
         return pickling.state_of(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -464,6 +464,9 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         ``storage`` choice, its own lock) and load the pickled state into it."""
         # Any seed: the pickled sampler states replace what it seeds.
         SB3ReplayBuffer.__init__(self, **pickling.arguments(state), seed=0)
+        if state.get("closed"):
+            self.close()
+            return
         try:
             pickling.restore(self, state)
         except BaseException:

@@ -29,6 +29,7 @@ import torch
 from replaybuf.errors import ArgumentError
 
 if TYPE_CHECKING:
+    from replaybuf.buffers import SyncEpisodeReplayBuffer
     from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
 
 FORMAT = 1  # the layout of the pickled state; a later layout raises on this version's load
@@ -49,31 +50,19 @@ HELD_ARRAYS = ("obs", "next_obs", "action", "reward")
 
 
 def state_of(rb: SB3ReplayBuffer) -> dict[str, Any]:
-    """What ``rb`` pickles as (see the module docstring)."""
-    rb._check_open()
+    """What ``rb`` pickles as (see the module docstring). A closed adapter pickles as its
+    arguments and ``closed``, and loads closed: SB3's ``save_replay_buffer`` creates its file
+    before it pickles, so refusing would leave an empty ``.pkl`` behind."""
+    if rb.closed:
+        return {"format": FORMAT, "closed": True, "arguments": _arguments_of(rb, rb._buffer)}
     buffer = rb.episode_buffer
     # Taken under the episode buffer's lock, rows copied: a consistent snapshot.
     episodes = buffer.state_dict()
     episodes["tensors"] = {name: _array(t) for name, t in episodes["tensors"].items()}
-    storage, scratch_dir = rb._storage_args
     held = rb._held
     return {
         "format": FORMAT,
-        "arguments": {
-            "buffer_size": rb.max_steps,
-            "observation_space": rb.observation_space,
-            "action_space": rb.action_space,
-            "device": str(rb.device),
-            "n_envs": rb.n_envs,
-            "handle_timeout_termination": rb.handle_timeout_termination,
-            "n_steps": rb.n_steps,
-            "gamma": rb.gamma,
-            "max_episodes": buffer.max_episodes,
-            "segment_steps": rb.segment_steps,
-            "storage": storage,
-            "storing_device": str(buffer.storing_device),
-            "scratch_dir": scratch_dir,
-        },
+        "arguments": _arguments_of(rb, buffer),
         "episode_buffer": episodes,
         "adapter": {name: _copy(getattr(rb, name)) for name in ADAPTER_FIELDS},
         "held": {
@@ -81,6 +70,26 @@ def state_of(rb: SB3ReplayBuffer) -> dict[str, Any]:
             **{name: getattr(held, name).copy() for name in HELD_ARRAYS},
         },
         "generator": rb._generator.get_state().numpy(),
+    }
+
+
+def _arguments_of(rb: SB3ReplayBuffer, buffer: SyncEpisodeReplayBuffer) -> dict[str, Any]:
+    """The constructor arguments that build ``rb`` again (devices as strings)."""
+    storage, scratch_dir = rb._storage_args
+    return {
+        "buffer_size": rb.max_steps,
+        "observation_space": rb.observation_space,
+        "action_space": rb.action_space,
+        "device": str(rb.device),
+        "n_envs": rb.n_envs,
+        "handle_timeout_termination": rb.handle_timeout_termination,
+        "n_steps": rb.n_steps,
+        "gamma": rb.gamma,
+        "max_episodes": buffer.max_episodes,
+        "segment_steps": rb.segment_steps,
+        "storage": storage,
+        "storing_device": str(buffer.storing_device),
+        "scratch_dir": scratch_dir,
     }
 
 
