@@ -66,6 +66,7 @@ import torch
 from harness import Workload, interleaved, micros, nbytes, rate, secs
 
 from replaybuf import EpisodeReplayBuffer, ReplayBuffer, SyncEpisodeReplayBuffer
+from replaybuf.storage import free_bytes
 
 HERE = Path(__file__).resolve().parent
 BATCH, N_STEP, GAMMA, PIXEL_BATCH = 256, 3, 0.99, 32
@@ -477,16 +478,9 @@ def section_scaling_steps(cfg: Config, scratch: Path) -> dict[str, Any]:
 NSTEP_KINDS = {peers.RB_TENSOR: "tensor", peers.RB_MEMMAP: "memmap"}
 
 
-def memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def memory_available() -> int:
+    """Host RAM free for new tensors, as replaybuf's own preflight reads it."""
+    return free_bytes("tensor", torch.device("cpu"), Path(tempfile.gettempdir()))
 
 
 def nstep_bytes(count: int, length: int) -> dict[str, int]:
@@ -519,7 +513,7 @@ def scaling_nstep(cfg: Config, scratch: Path) -> dict[str, Any]:
         free_ram = memory_available()
         free_disk = shutil.disk_usage(scratch).free
         short = []
-        if free_ram is not None and need["ram"] > 0.8 * free_ram:
+        if need["ram"] > 0.8 * free_ram:
             short.append(f"needs ~{need['ram'] / 2**30:.1f} GiB RAM, {free_ram / 2**30:.1f} free")
         if need["disk"] > 0.8 * free_disk:
             short.append(
