@@ -342,28 +342,34 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False
     ) -> None:
         """Write ``[rows, ...]`` leaves by flat key, checked against the spec unless ``checked``
-        (they came from :meth:`FieldSpec.match`). No TensorDict is built for them once the
-        storage writes directly: a TensorDict setitem per field costs more than the copy of a
-        1,000-row chunk."""
+        (they came from :meth:`FieldSpec.match`); no TensorDict is built for them, as a setitem
+        per field would cost more than copying a 1,000-row chunk."""
         rows = next(iter(leaves.values())).shape[0]
-        if self.spec is None:
+        slots = self._slots
+        spec = slots.spec
+        if spec is None:
             if rows == 0:
                 return  # an empty batch must not fix the spec
-            self._slots.prepare(FieldSpec.of(leaves, 1))
+            slots.prepare(FieldSpec.of(leaves, 1))
         elif not checked:
-            self.spec.check(leaves, 1, what)
+            spec.check(leaves, 1, what)
         if rows == 0:
             return
-        capacity = self.buffer_size
+        capacity = slots.capacity
         if rows > capacity:
             # Only the newest rows survive, in the slots writing every row would give them
             # (so the layout does not depend on chunking): writing `rows % capacity` rows
             # first moves TorchRL's cursor there; the newest `capacity` rows then cover them.
             if rows % capacity:
-                self._slots.extend({k: v[: rows % capacity] for k, v in leaves.items()})
+                slots.extend({k: v[: rows % capacity] for k, v in leaves.items()})
             leaves = {k: v[rows - capacity :] for k, v in leaves.items()}
-        self._slots.extend(leaves)
-        self._advance(rows)
+        slots.extend(leaves)
+        if self._priorities is None:  # _advance's counts, without its call on this hot path
+            self._pointer = (self._pointer + rows) % capacity
+            self._size = min(self._size + rows, capacity)
+            self._writes += rows
+        else:
+            self._advance(rows)
 
     def _advance(self, rows: int) -> None:
         """Count ``rows`` rows written at the pointer (TorchRL's cursor advanced with them)."""
