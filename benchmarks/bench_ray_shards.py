@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -128,6 +129,7 @@ async def run(steps: int, repeats: int) -> dict[str, Any]:
     finally:
         for buf in buffers.values():
             await buf.close()
+        shutil.rmtree(scratch, ignore_errors=True)  # the buffers' own folders went with close
 
 
 def table(results: dict[str, Any]) -> str:
