@@ -1,6 +1,9 @@
-"""``SyncEpisodeReplayBuffer.append_steps`` against the per-step appends it stands for."""
+"""``append_steps`` (the sync buffer's and the asyncio facade's) against the per-step appends
+it stands for."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf import EpisodeReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -193,3 +196,54 @@ def test_append_steps_with_extras_stores_what_per_step_appends_store(make_episod
     assert chunked.stats() == stepped.stats()
     assert (chunked.get_episode(0) == stepped.get_episode(0)).all()
     assert (chunked.sample_n_step(32, n=2) == stepped.sample_n_step(32, n=2)).all()
+
+
+async def test_async_append_steps_stores_what_the_sync_call_stores(tmp_path):
+    # The asyncio facade's append_steps is the sync core's, run atomically on the event loop.
+    facade = EpisodeReplayBuffer(200, 8, storage="tensor", scratch_dir=tmp_path, seed=3)
+    plain = SyncEpisodeReplayBuffer(200, 8, storage="tensor", scratch_dir=tmp_path, seed=3)
+    try:
+        for size in (5, 17, 1):
+            episode = await facade.start_episode()
+            assert plain.start_episode() == episode
+            obs, action, reward = _rows(episode, 0, size, torch_inputs=size % 2 == 1)
+            await facade.append_steps(episode, obs, action, reward)
+            plain.append_steps(episode, obs, action, reward)
+            final = np.full(OBS, episode, np.float32)
+            await facade.end_episode(episode, "terminated", final)
+            plain.end_episode(episode, "terminated", final)
+        assert await facade.stats() == plain.stats()
+        assert (await facade.sample_n_step(32, n=3) == plain.sample_n_step(32, n=3)).all()
+        episode = await facade.start_episode()
+        assert plain.start_episode() == episode
+        obs, action, reward = _rows(episode, 0, 3, torch_inputs=False)
+        with pytest.raises(SchemaError, match="observation"):  # refused whole, as in sync
+            await facade.append_steps(episode, obs[:, :2], action, reward)
+        assert await facade.stats() == plain.stats()
+    finally:
+        await facade.close()
+        plain.close()
+
+
+async def test_cancelled_async_append_steps_appends_all_steps_or_none(tmp_path):
+    facade = EpisodeReplayBuffer(2000, 64, storage="tensor", scratch_dir=tmp_path, seed=0)
+    try:
+        episodes = [await facade.start_episode() for _ in range(24)]
+        tasks = [
+            asyncio.ensure_future(facade.append_steps(e, *_rows(e, 0, 7, torch_inputs=False)))
+            for e in episodes
+        ]
+        await asyncio.sleep(0)  # each task runs to its first cancellation point, or completes
+        for task in tasks:
+            task.cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        cancelled = [isinstance(outcome, asyncio.CancelledError) for outcome in done]
+        assert any(cancelled)  # both outcomes happened
+        assert not all(cancelled)
+        stored = await facade.stats()
+        assert stored["steps"] == 7 * cancelled.count(False)
+        for episode, was_cancelled in zip(episodes, cancelled, strict=True):
+            if not was_cancelled:
+                assert (await facade.get_episode(episode))["observation"].shape[0] == 7
+    finally:
+        await facade.close()

@@ -166,6 +166,43 @@ def check_transitions(batch: TensorDict, lengths: dict[tuple[int, int], int], n:
         assert bool(batch["terminated"][i]) == (ended and status(writer, episode) == "terminated")
 
 
+async def write_bulk(buf, writer: int) -> list[tuple[int, int, int]]:
+    """Every episode of ``writer`` started in one call, each written whole by one
+    ``append_steps``, all ended by one ``end_episodes`` (statuses and finals per episode)."""
+    lengths = LENGTHS[writer]
+    ids = await buf.start_episodes(len(lengths), f"writer-{writer}")
+    for episode, (eid, length) in enumerate(zip(ids, lengths, strict=True)):
+        if length:
+            await buf.append_steps(
+                eid,
+                torch.stack([obs(writer, episode, t) for t in range(length)]),
+                torch.tensor([action(writer, episode, t) for t in range(length)]),
+                torch.tensor([t / 4 for t in range(length)]),
+                {"logp": torch.tensor([-t / 8 for t in range(length)])},
+            )
+    await buf.end_episodes(
+        ids,
+        [status(writer, e) for e in range(len(lengths))],
+        torch.stack([obs(writer, e, n, True) for e, n in enumerate(lengths)]),
+    )
+    return [(e, eid, n) for e, (eid, n) in enumerate(zip(ids, lengths, strict=True))]
+
+
+async def check_bulk_writes(buf, writer: int) -> None:
+    """What :func:`write_bulk` stores: every step once, whole episodes, their ends."""
+    done = await write_bulk(buf, writer)
+    assert await stored_steps(buf) == Counter(
+        (writer, e, t) for e, n in enumerate(LENGTHS[writer]) for t in range(n)
+    )
+    for episode, eid, length in done:
+        got = await buf.get_episode(eid)
+        assert got["action"].tolist() == [action(writer, episode, t) for t in range(length)]
+        assert bool(got[status(writer, episode)])
+        assert got["observation"][-1].tolist() == obs(writer, episode, length, True).tolist()
+    with pytest.raises(EpisodeStateError):  # ended: refused, as by the local buffer
+        await buf.append_steps(done[0][1], obs(0, 0, 0)[None], [0], torch.tensor([0.0]))
+
+
 async def stored_steps(buf) -> Counter:
     """Every stored step once, as ``(writer, episode, t)``, by an unshuffled epoch."""
     seen: Counter = Counter()
@@ -443,3 +480,11 @@ def test_without_ray_the_module_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "replaybuf.integrations.ray")
     with pytest.raises(ImportError, match=r"pip install 'replaybuf\[ray\]'"):
         importlib.import_module("replaybuf.integrations.ray")
+
+
+async def test_bulk_calls_store_what_they_store_locally(ray_cluster):
+    buf = await RemoteEpisodeReplayBuffer.create(200, 16, storage="tensor", num_cpus=0)
+    try:
+        await check_bulk_writes(buf, 1)
+    finally:
+        await buf.close()

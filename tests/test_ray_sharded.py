@@ -25,6 +25,7 @@ from test_ray import (  # noqa: E402
     GAMMA,
     LENGTHS,
     action,
+    check_bulk_writes,
     check_transitions,
     obs,
     stored_steps,
@@ -396,3 +397,19 @@ def test_packed_batches_merge_as_their_tensordicts_would():
     texts["note"] = NonTensorStack(*"abcd")
     packed = [(pack_batch(texts), 4, 0, 1.0), (pack_batch(texts), 2, 1, 1.0)]
     assert merge_packed(packed, 2, np.random.default_rng(0), torch.device("cpu")) is None
+
+
+async def test_bulk_calls_deal_episodes_round_robin_and_end_them_per_shard(ray_cluster):
+    buf = await ShardedEpisodeReplayBuffer.create(
+        3, 200, max_episodes_per_shard=16, seed=0, **OPTIONS
+    )
+    try:
+        first = await buf.start_episode()  # the round-robin goes on from where it was
+        ids = await buf.start_episodes(4)
+        assert [eid % 3 for eid in ids] == [(first + 1 + i) % 3 for i in range(4)]
+        await buf.end_episodes(ids, "truncated", torch.zeros(4, 4))
+        await check_bulk_writes(buf, 1)
+        with pytest.raises(ArgumentError, match="statuses"):  # checked before any round trip
+            await buf.end_episodes([5, 6], ["terminated"], torch.zeros(2, 4))
+    finally:
+        await buf.close()

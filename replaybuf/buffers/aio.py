@@ -18,19 +18,17 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_min_steps
+from replaybuf.buffers.aio_state import AsyncEpisodePersistence
 from replaybuf.buffers.dataset import ReplayDataset
 from replaybuf.buffers.episodes import SyncEpisodeReplayBuffer
 from replaybuf.episodes import RowsPinned
 from replaybuf.errors import BufferClosedError
-from replaybuf.persist import episodes as episode_checkpoint
-from replaybuf.persist.metadata import SavedMetadata
 
 T = TypeVar("T")
 _RETRY: Any = object()  # a call refused by RowsPinned, to run again
@@ -38,7 +36,7 @@ _RETRY: Any = object()  # a call refused by RowsPinned, to run again
 WRITE_BUDGET = 16
 
 
-class EpisodeReplayBuffer:
+class EpisodeReplayBuffer(AsyncEpisodePersistence):
     """Many asyncio tasks write episodes while others sample from the same buffer.
 
     Takes the arguments of :class:`SyncEpisodeReplayBuffer`. ``len(buf)`` (valid steps) is the
@@ -238,6 +236,20 @@ class EpisodeReplayBuffer:
             self._sync.append_batch, episode_ids, observations, actions, rewards, extras
         )
 
+    async def append_steps(
+        self,
+        episode_id: int,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Several consecutive steps of one episode in one call (see
+        :meth:`SyncEpisodeReplayBuffer.append_steps`): under cancellation, all or none."""
+        await self._write(
+            self._sync.append_steps, episode_id, observations, actions, rewards, extras
+        )
+
     async def end_episode(
         self, episode_id: int, status: str = "terminated", final_observation: Any = None
     ) -> None:
@@ -427,65 +439,3 @@ class EpisodeReplayBuffer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def save_checkpoint(
-        self, directory: str | os.PathLike | None = None, *, durable: bool = True
-    ) -> Path:
-        """Save a snapshot of one instant while other tasks keep appending and sampling.
-
-        Under the lock only the index state is copied and the rows are pinned (rows freed by
-        eviction are not reused); the rows stream to disk in a worker thread. Writers wait only
-        if every free row is pinned. If this coroutine is cancelled during the write, the
-        write still completes (it publishes atomically, or not at all on error).
-        """
-        async with self._saving:
-            await asyncio.sleep(0)
-            async with self._lock:
-                target, snap = self._sync.begin_checkpoint(directory)
-            self._idle.clear()
-            write = asyncio.ensure_future(
-                asyncio.to_thread(episode_checkpoint.write, target, snap, durable)
-            )
-            try:
-                return await asyncio.shield(write)
-            finally:
-                if not write.done():  # cancelled: the thread goes on; keep rows pinned till then
-                    await asyncio.wait([write])
-                self._sync.end_checkpoint()
-                self._idle.set()
-
-    @classmethod
-    async def load_checkpoint(
-        cls, directory: str | os.PathLike, **overrides: Any
-    ) -> EpisodeReplayBuffer:
-        """A new buffer holding the checkpoint at ``directory`` (loaded in a worker thread)."""
-        sync = await asyncio.to_thread(
-            SyncEpisodeReplayBuffer.load_checkpoint, directory, **overrides
-        )
-        return cls._wrap(sync)
-
-    @classmethod
-    async def open(cls, directory: str | os.PathLike, **kwargs: Any) -> EpisodeReplayBuffer:
-        """Load the checkpoint at ``directory``, else create one with ``kwargs``; a later
-        ``save_checkpoint()`` with no argument writes there."""
-        sync = await asyncio.to_thread(SyncEpisodeReplayBuffer.open, directory, **kwargs)
-        return cls._wrap(sync)
-
-    async def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
-        """See :meth:`SyncEpisodeReplayBuffer.state_dict` (taken under the lock: one instant)."""
-        return await self._call(self._sync.state_dict, copy=copy)
-
-    async def load_state_dict(self, state: Any) -> None:
-        """See :meth:`SyncEpisodeReplayBuffer.load_state_dict`; waits for a checkpoint in flight
-        (its pinned rows belong to the storage the state replaces)."""
-        async with self._saving:
-            await self._idle.wait()
-            await self._call(self._sync.load_state_dict, state)
-
-    async def save(self, path: str | os.PathLike) -> SavedMetadata:
-        """Metadata only, not the episodes: see :meth:`SyncEpisodeReplayBuffer.save`
-        (:meth:`save_checkpoint` saves the contents)."""
-        return await self._call(self._sync.save, path)
-
-    async def load(self, path: str | os.PathLike) -> dict[str, Any]:
-        return await self._call(self._sync.load, path)

@@ -247,11 +247,36 @@ class RemoteEpisodeReplayBuffer:
         """One step for each of several episodes in one round trip; leading dim = episodes."""
         await self._call("append_batch", list(episode_ids), observations, actions, rewards, extras)
 
+    async def append_steps(
+        self,
+        episode_id: int,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Several consecutive steps of one episode in one round trip; leading dim = steps."""
+        await self._call("append_steps", episode_id, observations, actions, rewards, extras)
+
+    async def start_episodes(self, count: int, agent_id: str = "default") -> list[int]:
+        """Start ``count`` episodes in one round trip and return their ids, in order."""
+        return list(await self._call("start_episodes", count, agent_id))
+
     async def end_episode(
         self, episode_id: int, status: str = "terminated", final_observation: Any = None
     ) -> None:
         """End an episode: ``terminated`` (or ``COMPLETED``) or ``truncated``."""
         await self._call("end_episode", episode_id, status, final_observation)
+
+    async def end_episodes(
+        self,
+        episode_ids: Sequence[int],
+        statuses: str | Sequence[str] = "terminated",
+        final_observations: Any = None,
+    ) -> None:
+        """End several episodes in one round trip (all of them or none, as the buffer's call);
+        the arguments go to the actor as given, where the buffer checks them."""
+        await self._call("end_episodes", episode_ids, statuses, final_observations)
 
     # ----------------------------------------------------------------- reads
     async def sample_n_step(

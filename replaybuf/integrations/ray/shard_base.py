@@ -20,11 +20,17 @@ import torch
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from replaybuf.errors import ArgumentTypeError, BufferClosedError, EpisodeStateError
+from replaybuf.args import positive_int
+from replaybuf.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BufferClosedError,
+    EpisodeStateError,
+)
 from replaybuf.integrations.ray import shard_manifest
 from replaybuf.integrations.ray.packing import pack_value, unpack_result
 from replaybuf.integrations.ray.shard_calls import await_shard, episode_error
-from replaybuf.integrations.ray.shard_routing import group_rows, split_id, take_rows
+from replaybuf.integrations.ray.shard_routing import group_rows, split_id, take_rows, to_global
 from replaybuf.storage import resolve_device
 
 # stats() entries summed over shards; the others come from shard 0 (configuration).
@@ -210,6 +216,73 @@ class ShardedBase:
     ) -> None:
         """End an episode: ``terminated`` (or ``COMPLETED``) or ``truncated``."""
         await self._on_episode("end_episode", episode_id, status, final_observation)
+
+    async def append_steps(
+        self,
+        episode_id: int,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        """Several consecutive steps of ``episode_id`` in one round trip to its shard."""
+        await self._on_episode("append_steps", episode_id, observations, actions, rewards, extras)
+
+    async def start_episodes(self, count: int, agent_id: str = "default") -> list[int]:
+        """Start ``count`` episodes, dealt to the shards in this handle's round-robin (one
+        round trip per shard, in parallel); their global ids in the order dealt. Each shard's
+        part is atomic; a part refused by one shard leaves the others' episodes started."""
+        count = positive_int(count, "count")
+        first, k = self._next, self.num_shards
+        shards = [(first + i) % k for i in range(count)]
+        groups = group_rows(shards)
+        self._next = (first + count) % k
+        parts = await asyncio.gather(
+            *(
+                self._on(shard, "start_episodes", len(rows), agent_id)
+                for shard, rows in groups.items()
+            )
+        )
+        ids = [0] * count
+        for (shard, rows), local in zip(groups.items(), parts, strict=True):
+            for row, episode in zip(rows, local, strict=True):
+                ids[row] = to_global(episode, shard, k)
+        return ids
+
+    async def end_episodes(
+        self,
+        episode_ids: Sequence[int],
+        statuses: str | Sequence[str] = "terminated",
+        final_observations: Any = None,
+    ) -> None:
+        """End several episodes: one round trip per shard touched, in parallel. Each shard's
+        part is atomic (all its episodes ended or none); a part refused by one shard does not
+        undo the parts other shards ended."""
+        ids = episode_ids.tolist() if isinstance(episode_ids, np.ndarray) else list(episode_ids)
+        places = [split_id(e, self.num_shards, "episode_ids") for e in ids]
+        groups = group_rows([shard for shard, _ in places])
+        per_row = not isinstance(statuses, str)
+        if per_row and (not isinstance(statuses, Sequence) or len(statuses) != len(ids)):
+            raise ArgumentError(
+                f"end_episodes: statuses must be one str or one per episode ({len(ids)}), "
+                f"got {statuses!r}",
+                argument="statuses",
+            )
+
+        async def part(shard: int, rows: list[int]) -> None:
+            local = [places[r][1] for r in rows]
+            status = [statuses[r] for r in rows] if per_row else statuses
+            finals = final_observations if len(groups) == 1 else take_rows(final_observations, rows)
+            try:
+                await self._on(shard, "end_episodes", local, status, finals)
+            except EpisodeStateError as error:
+                raise EpisodeStateError(
+                    f"episode_ids {[ids[r] for r in rows]} (shard {shard} of "
+                    f"{self.num_shards}): {error}",
+                    argument="episode_ids",
+                ) from error
+
+        await asyncio.gather(*(part(shard, rows) for shard, rows in groups.items()))
 
     # ----------------------------------------------------------------- fan-out calls
     async def _every(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
