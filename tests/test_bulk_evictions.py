@@ -17,8 +17,6 @@ from test_bulk_episodes import Driver, apply, ops, snapshot
 from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.episodes.eviction import make_room
 
-pins = st.lists(st.sampled_from(["pin", "unpin"]), min_size=0, max_size=3)
-
 
 class PinningDriver(Driver):
     """A bulk driver that can also open and close a checkpoint's pin on the rows."""
