@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -50,8 +51,7 @@ class BatchRun:
         self.settled = 0  # ... and in their episodes' ``own`` arrays
         self.allocations = allocations
         self.protected: set[int] | None = None  # the episodes' ids, once an eviction asks
-        for episode in episodes:
-            episode.run = self
+        deque(map(setattr, episodes, repeat("run"), repeat(self, len(episodes))), maxlen=0)
 
     def add(self, rows: array, allocations: int) -> None:
         """One more batch of rows (one per episode, in order); ``allocations``: the core's
