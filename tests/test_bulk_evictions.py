@@ -5,6 +5,7 @@ episode layouts, checkpoint pins included; and a refused eviction leaves everyth
 
 from __future__ import annotations
 
+import heapq
 from unittest import mock
 
 import pytest
@@ -16,6 +17,7 @@ from test_bulk_episodes import Driver, apply, ops, snapshot
 
 from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.episodes.eviction import make_room
+from replaybuf.episodes.finished import FinishedOrder
 
 
 class PinningDriver(Driver):
@@ -100,3 +102,36 @@ def test_refused_flush_puts_the_victims_heap_entries_back():
     assert (sorted(core.finished), dict(core.episodes), core.steps, list(core.free)) == before
     make_room(core, 9, 0, 0, set())  # and now it evicts the two oldest
     assert sorted(core.episodes) == [ids[2]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.tuples(st.just("push"), st.integers(0, 60)), st.just(("pop", 0))),
+        max_size=80,
+    )
+)
+def test_finished_order_pops_as_a_heap_does(program):
+    """FIFO for in-order pushes, heap for the rest: the same pops as one heap."""
+    order, heap, seen = FinishedOrder(), [], set()
+    for op, seq in program:
+        if op == "push":
+            if seq in seen:
+                continue  # entries are unique (one per episode)
+            seen.add(seq)
+            order.push((seq, seq + 100))
+            heapq.heappush(heap, (seq, seq + 100))
+        elif heap:
+            assert order.pop() == heapq.heappop(heap)
+        else:
+            assert not order
+            with pytest.raises(IndexError):
+                order.pop()
+        assert len(order) == len(heap)
+        assert sorted(order) == sorted(heap)
+    order.extend([(1000, 1), (999, 2), (1001, 3)])
+    for entry in [(1000, 1), (999, 2), (1001, 3)]:
+        heapq.heappush(heap, entry)
+    while heap:
+        assert order.pop() == heapq.heappop(heap)
+    assert not order

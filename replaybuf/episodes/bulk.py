@@ -8,7 +8,6 @@ here, all of them before anything is applied; then :func:`end_many` applies them
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -306,7 +305,7 @@ def _end_run(
     _set_each(episodes, "end_flush", repeat(core.flushes, count))
     deque(map(core.running.__delitem__, id_list), maxlen=0)
     entries = zip(map(_SEQ, episodes), id_list, strict=True)
-    deque(map(heapq.heappush, repeat(core.finished, count), entries), maxlen=0)
+    core.finished.extend(entries)
 
 
 def _set_each(episodes: list[Episode], name: str, values: Iterable[Any]) -> None:

@@ -6,7 +6,6 @@ Plain functions over the :class:`~replaybuf.episodes.core.EpisodeCore` state: th
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections import deque
 from collections.abc import Generator
@@ -52,7 +51,7 @@ def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected
     except BaseException:
         if taken:  # their heap entries go back
             for episode in taken:
-                heapq.heappush(core.finished, (episode.seq, episode.episode_id))
+                core.finished.push((episode.seq, episode.episode_id))
         raise
     remove_episodes(core, victims)
     core.evicted += len(victims)
@@ -72,11 +71,11 @@ def take_finished(
     if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
         return []
     frees_rows = not core.pinned  # while a snapshot is open, evicted rows stay quarantined
-    finished, stored, pop = core.finished, core.episodes.get, heapq.heappop
+    finished, stored = core.finished, core.episodes.get
     victims: list[Episode] = []
     kept: list[tuple[int, int]] = []  # popped entries that stay on the heap
     while finished:
-        item = pop(finished)
+        item = finished.pop()
         episode = stored(item[1])
         if episode is None:
             continue  # stale: evicted or cleared since it finished
@@ -94,12 +93,12 @@ def take_finished(
         over_eps -= 1
         if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
             for item in kept:
-                heapq.heappush(finished, item)
+                finished.push(item)
             return victims
     for item in kept:
-        heapq.heappush(finished, item)
+        finished.push(item)
     for episode in victims:
-        heapq.heappush(finished, (episode.seq, episode.episode_id))
+        finished.push((episode.seq, episode.episode_id))
     return None
 
 
@@ -167,7 +166,7 @@ def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode,
     popped: list[tuple[int, int]] = []
     try:
         while core.finished:
-            item = heapq.heappop(core.finished)
+            item = core.finished.pop()
             episode = core.episodes.get(item[1])
             if episode is None:
                 continue  # stale: evicted or cleared since it finished
@@ -179,7 +178,7 @@ def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode,
                 yield episode
     finally:
         for item in popped:
-            heapq.heappush(core.finished, item)
+            core.finished.push(item)
 
 
 def flushed(core: EpisodeCore, episode: Episode) -> bool:
