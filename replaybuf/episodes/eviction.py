@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Generator
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -205,7 +205,8 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
                 rows.append(row)
     else:
         deque(map(array.append, parts, finals), maxlen=0)
-    ends = np.cumsum(list(map(len, parts)), dtype=np.int64)
+    lengths = list(map(len, parts))  # steps, and the final row if any
+    ends = np.fromiter(accumulate(lengths), np.int64, len(lengths))
     if ends[-1]:
         held = np.frombuffer(b"".join(parts), np.int64)
         core.anchors.remove_present_groups(held, ends)
@@ -219,7 +220,6 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
             core.quarantine.extend(np.frombuffer(b"".join(parts), np.int64).tolist())
         else:
             core.free.frombytes(b"".join(parts))
-    lengths = list(map(len, parts))  # steps, and the final row if any
     ended = len(finals) - finals.count(None)  # episodes with a final row
     steps = int(ends[-1]) - ended
     valid = steps  # less one for each in progress with steps (its last has no next yet)
