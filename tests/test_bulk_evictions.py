@@ -129,9 +129,10 @@ def test_finished_order_pops_as_a_heap_does(program):
                 order.pop()
         assert len(order) == len(heap)
         assert sorted(order) == sorted(heap)
-    order.extend([(1000, 1), (999, 2), (1001, 3)])
-    for entry in [(1000, 1), (999, 2), (1001, 3)]:
-        heapq.heappush(heap, entry)
+    for entries in ([(1000, 1), (999, 2), (1001, 3)], [(1002, 4), (1003, 5)], [(998, 6)]):
+        order.extend(entries)  # out of order, in order after the last, before the last
+        for entry in entries:
+            heapq.heappush(heap, entry)
     while heap:
         assert order.pop() == heapq.heappop(heap)
     assert not order

@@ -304,8 +304,7 @@ def _end_run(
     _set_each(episodes, "end_kind", end_kinds)
     _set_each(episodes, "end_flush", repeat(core.flushes, count))
     deque(map(core.running.__delitem__, id_list), maxlen=0)
-    entries = zip(map(_SEQ, episodes), id_list, strict=True)
-    core.finished.extend(entries)
+    core.finished.extend(list(zip(map(_SEQ, episodes), id_list, strict=True)))
 
 
 def _set_each(episodes: list[Episode], name: str, values: Iterable[Any]) -> None:

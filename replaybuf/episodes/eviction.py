@@ -6,6 +6,7 @@ Plain functions over the :class:`~replaybuf.episodes.core.EpisodeCore` state: th
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import deque
 from collections.abc import Generator
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 _END_FLUSH, _END_KIND = attrgetter("end_flush"), attrgetter("end_kind")
 _ROWS, _FINAL_ROW = attrgetter("rows"), attrgetter("final_row")
+_OWN, _RUN = attrgetter("own"), attrgetter("run")
 _EPISODE_ID = attrgetter("episode_id")
 
 
@@ -72,17 +74,18 @@ def take_finished(
         return []
     frees_rows = not core.pinned  # while a snapshot is open, evicted rows stay quarantined
     finished, stored = core.finished, core.episodes.get
+    fifo, heap = finished.fifo, finished.heap  # FinishedOrder.pop, inline (one per victim)
     victims: list[Episode] = []
     kept: list[tuple[int, int]] = []  # popped entries that stay on the heap
-    while finished:
-        item = finished.pop()
+    while fifo or heap:
+        item = heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft()
         episode = stored(item[1])
         if episode is None:
             continue  # stale: evicted or cleared since it finished
         if item[1] in protected:
             kept.append(item)
             continue
-        held = len(episode.rows)
+        held = len(episode.own if episode.run is None else episode.rows)
         holds = held + (episode.final_row is not None)
         if holds == 0 and over_eps <= 0:
             kept.append(item)  # evicting it frees no step or row; only max_episodes needs it
@@ -197,7 +200,8 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
             remove_episode(core, episode)
         return
     # Each episode's rows, then its final row: C-level maps (no per-episode bytecode).
-    parts = list(map(array, repeat("q", len(episodes)), map(_ROWS, episodes)))
+    owns = map(_ROWS if any(map(_RUN, episodes)) else _OWN, episodes)  # settled
+    parts = list(map(array, repeat("q", len(episodes)), owns))
     finals = list(map(_FINAL_ROW, episodes))
     if None in finals:
         for rows, row in zip(parts, finals, strict=True):
