@@ -76,6 +76,8 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
             packed.sources.fromlist(list(map(_LAST, owns)))
             packed.targets.extend(rows)
             linked = count
+        elif not any(steps):  # new episodes only (a vector env's first step): no links
+            linked = 0
         else:
             had = [(own[-1], row) for own, row in zip(owns, rows, strict=True) if own]
             packed.sources.fromlist([source for source, _ in had])

@@ -8,9 +8,11 @@ here, all of them before anything is applied; then :func:`end_many` applies them
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
 _WHAT = "end_episodes"
+_EPISODE_ID, _OWN = attrgetter("episode_id"), attrgetter("own")
+_SEQ, _LAST = attrgetter("seq"), itemgetter(-1)
 
 
 def checked_starts(count: Any, agent_id: Any, max_episodes: int | None) -> None:
@@ -54,6 +58,31 @@ def checked_ends(
         raise ArgumentError(f"{_WHAT}: final_observations is required, got None")
     if not count:
         return None
+    episodes = _running_distinct(core, ids)
+    if episodes is None:
+        episodes = _checked_episodes(core, ids)
+    batch = final_values(core, count, final_observations)
+    if batch is not None:
+        return episodes, kinds, None, batch
+    what = f"{_WHAT}: final_observations"
+    rows = final_rows_data(core, split_rows(final_observations, count, what), what)
+    return episodes, kinds, rows, None
+
+
+def _running_distinct(core: EpisodeCore, ids: list[Any]) -> list[Episode] | None:
+    """The episodes of ``ids`` if all are plain ints naming distinct episodes in progress
+    (C-level passes: a vector env's every reset), else None (check them one by one)."""
+    if set(map(type, ids)) != {int}:  # a bool would find episode 0 or 1
+        return None
+    found = list(map(core.running.get, ids))
+    if not all(found) or len(set(ids)) != len(ids):  # an Episode is always true
+        return None
+    return found  # type: ignore[return-value]
+
+
+def _checked_episodes(core: EpisodeCore, ids: list[Any]) -> list[Episode]:
+    """The episodes of ``ids``, each checked in turn: the first bad or repeated id raises,
+    naming its index."""
     episodes = []
     seen: dict[int, int] = {}
     for i, episode_id in enumerate(ids):
@@ -68,12 +97,7 @@ def checked_ends(
             )
         seen[episode.episode_id] = i
         episodes.append(episode)
-    batch = final_values(core, count, final_observations)
-    if batch is not None:
-        return episodes, kinds, None, batch
-    what = f"{_WHAT}: final_observations"
-    rows = final_rows_data(core, split_rows(final_observations, count, what), what)
-    return episodes, kinds, rows, None
+    return episodes
 
 
 def end_ids(episode_ids: Any) -> list[Any]:
@@ -153,8 +177,11 @@ def start_many(core: EpisodeCore, count: int, agent_id: str) -> list[int]:
     :meth:`EpisodeCore.start` do, their evictions made at once."""
     make_room(core, 0, 0, count, set())
     first, seq = core.next_id, core.next_seq
-    for k in range(count):
-        core.register(Episode(first + k, agent_id, seq + k))
+    ids = range(first, first + count)
+    # What core.register does for each: new episodes are in progress, so in both tables.
+    new = list(map(Episode, ids, repeat(agent_id, count), range(seq, seq + count)))
+    core.episodes.update(zip(ids, new, strict=True))
+    core.running.update(zip(ids, new, strict=True))
     core.next_id += count
     core.next_seq += count
     return list(range(first, first + count))
@@ -200,8 +227,9 @@ def end_many(
     pins the rows) changes nothing.
     """
     drop_run(core)  # as the first end would (the episodes' rows settle, read below)
-    protected = {episode.episode_id for episode in episodes}
-    need = sum(1 for episode in episodes if episode.own)
+    protected = set(map(_EPISODE_ID, episodes))
+    steps = list(map(len, map(_OWN, episodes)))
+    need = len(steps) - steps.count(0)
     if need > len(core.free):
         choose_victims(core, 0, need, 0, protected)  # raises if no eviction makes room
     stager = core._stager
@@ -211,8 +239,9 @@ def end_many(
         take = 0
         if batch is not None and stager is not None and _room_free(core):
             room = min(stager.capacity - len(stager), len(core.free))
-            while take < room and at + take < count and episodes[at + take].own:
-                take += 1
+            # The episodes from ``at`` on up to the next one without steps, as many as fit.
+            stop = steps.index(0, at) if 0 in steps[at:] else count
+            take = max(0, min(room, stop - at))
         if take:
             _end_run(core, episodes[at : at + take], end_kinds[at : at + take], batch, at)
             at += take
@@ -261,17 +290,23 @@ def _end_run(
     plan.put_finals(len(stager), batch[at : at + count])
     stager.rows.extend(rows)
     packed = core._packed
-    ids = array("q", [episode.episode_id for episode in episodes])
-    steps = array("q", [len(episode.own) for episode in episodes])
+    owns = list(map(_OWN, episodes))
+    id_list = list(map(_EPISODE_ID, episodes))
+    ids = array("q", id_list)
+    steps = array("q", list(map(len, owns)))
     packed.add_rows(rows, ids, steps, core.allocations, array("q", end_kinds))
-    packed.sources.fromlist([episode.own[-1] for episode in episodes])
+    packed.sources.fromlist(list(map(_LAST, owns)))
     packed.targets.extend(rows)
     core.allocations += count
     core.valid_steps += count
-    flushes, running, finished = core.flushes, core.running, core.finished
-    for episode, row, end_kind in zip(episodes, rows, end_kinds, strict=True):
-        episode.final_row = row
-        episode.end_kind = end_kind
-        episode.end_flush = flushes
-        del running[episode.episode_id]
-        heapq.heappush(finished, (episode.seq, episode.episode_id))
+    # Each episode marked ended (as EpisodeCore._finish does), in C-level maps.
+    _set_each(episodes, "final_row", rows)
+    _set_each(episodes, "end_kind", end_kinds)
+    _set_each(episodes, "end_flush", repeat(core.flushes, count))
+    deque(map(core.running.__delitem__, id_list), maxlen=0)
+    core.finished.extend(list(zip(map(_SEQ, episodes), id_list, strict=True)))
+
+
+def _set_each(episodes: list[Episode], name: str, values: Iterable[Any]) -> None:
+    """Set attribute ``name`` of each episode to the matching value."""
+    deque(map(setattr, episodes, repeat(name), values), maxlen=0)

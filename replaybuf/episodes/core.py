@@ -33,7 +33,6 @@ own module beside it:
 
 from __future__ import annotations
 
-import heapq
 import math
 from array import array
 from collections.abc import Mapping
@@ -51,6 +50,7 @@ from replaybuf.episodes.batch_run import BatchRun, Packed
 from replaybuf.episodes.checks import final_observation_leaves, step_rows, zero_fields
 from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room, remove_episode
+from replaybuf.episodes.finished import FinishedOrder
 from replaybuf.episodes.links import RowLinks, check_bookkeeping_space
 from replaybuf.episodes.staging import (
     admit,
@@ -122,7 +122,7 @@ class EpisodeCore:
         # The last append_batch's episodes (see BatchRun); dropped whenever an episode in
         # progress ends or goes.
         self._run: BatchRun | None = None
-        self.finished: list[tuple[int, int]] = []  # heap of (seq, episode_id)
+        self.finished = FinishedOrder()  # (seq, episode_id) of finished episodes
         self.next_id = 0
         self.next_seq = 0
         self.steps = 0
@@ -437,7 +437,7 @@ class EpisodeCore:
         episode.end_flush = self.flushes
         del self.running[episode.episode_id]
         drop_run(self)
-        heapq.heappush(self.finished, (episode.seq, episode.episode_id))
+        self.finished.push((episode.seq, episode.episode_id))
 
     # ----------------------------------------------------------------- row ids
     def row_ids(self, rows: torch.Tensor) -> torch.Tensor:

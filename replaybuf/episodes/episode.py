@@ -20,7 +20,7 @@ STATUSES = {"terminated": END_TERMINATED, "completed": END_TERMINATED, "truncate
 FRAME_PADDINGS = ("reset", "zero")  # gymnasium FrameStackObservation's padding_type values
 
 
-@dataclass
+@dataclass(slots=True)
 class Episode:
     """One episode's bookkeeping on the host."""
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections import deque
 from collections.abc import Generator
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from replaybuf.core import END_NONE
 from replaybuf.episodes.episode import Episode, RowsPinned
 from replaybuf.episodes.staging import drop_run
 from replaybuf.errors import CapacityError
@@ -22,6 +26,11 @@ from replaybuf.storage import to_device_async
 if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
+_END_FLUSH, _END_KIND = attrgetter("end_flush"), attrgetter("end_kind")
+_ROWS, _FINAL_ROW = attrgetter("rows"), attrgetter("final_row")
+_OWN, _RUN = attrgetter("own"), attrgetter("run")
+_EPISODE_ID = attrgetter("episode_id")
+
 
 def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
     """Evict whole episodes so that ``steps`` steps, ``rows`` rows and ``episodes`` fit.
@@ -29,18 +38,78 @@ def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected
     Nothing changes if it cannot be done (see :func:`choose_victims` for the order and the
     errors).
     """
-    victims = choose_victims(core, steps, rows, episodes, protected)
+    taken = take_finished(core, steps, rows, episodes, protected) if core.batched else None
+    victims = choose_victims(core, steps, rows, episodes, protected) if taken is None else taken
     if not victims:
         return
-    # Rows must be written and their bookkeeping placed before they are freed; an episode
-    # that ended before the last flush has none pending (a vector env's steady state, where a
-    # flush per eviction would write a few scattered rows each time instead of a full stager).
-    # With priorities every staged step is admitted first, at the maximum as it stands
-    # before the victims' priorities leave the tree.
-    if core.priorities is not None or not all(flushed(core, episode) for episode in victims):
-        core.flush()
+    try:
+        # Rows must be written and their bookkeeping placed before they are freed; an episode
+        # that ended before the last flush has none pending (a vector env's steady state,
+        # where a flush per eviction would write a few scattered rows each time instead of a
+        # full stager). With priorities every staged step is admitted first, at the maximum
+        # as it stands before the victims' priorities leave the tree.
+        if core.priorities is not None or not all_flushed(core, victims):
+            core.flush()
+    except BaseException:
+        if taken:  # their heap entries go back
+            for episode in taken:
+                core.finished.push((episode.seq, episode.episode_id))
+        raise
     remove_episodes(core, victims)
     core.evicted += len(victims)
+
+
+def take_finished(
+    core: EpisodeCore, steps: int, rows: int, episodes: int, protected: set[int]
+) -> list[Episode] | None:
+    """:func:`choose_victims`' victims when finished episodes alone make room (a vector
+    env's steady state), their heap entries taken off the finished heap (they are about to
+    go: no later eviction pops them again as stale); else None, with the heap as it was
+    but for stale entries dropped."""
+    over_steps = core.steps + steps - core.max_steps
+    over_rows = rows - len(core.free)
+    cap = core.max_episodes
+    over_eps = len(core.episodes) + episodes - cap if cap else 0
+    if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
+        return []
+    frees_rows = not core.pinned  # while a snapshot is open, evicted rows stay quarantined
+    finished, stored = core.finished, core.episodes.get
+    fifo, heap = finished.fifo, finished.heap  # FinishedOrder.pop, inline (one per victim)
+    victims: list[Episode] = []
+    kept: list[tuple[int, int]] = []  # popped entries that stay on the heap
+    while fifo or heap:
+        item = heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft()
+        episode = stored(item[1])
+        if episode is None:
+            continue  # stale: evicted or cleared since it finished
+        if item[1] in protected:
+            kept.append(item)
+            continue
+        held = len(episode.own if episode.run is None else episode.rows)
+        holds = held + (episode.final_row is not None)
+        if holds == 0 and over_eps <= 0:
+            kept.append(item)  # evicting it frees no step or row; only max_episodes needs it
+            continue
+        victims.append(episode)
+        over_steps -= held
+        over_rows -= holds if frees_rows else 0
+        over_eps -= 1
+        if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:
+            for item in kept:
+                finished.push(item)
+            return victims
+    for item in kept:
+        finished.push(item)
+    for episode in victims:
+        finished.push((episode.seq, episode.episode_id))
+    return None
+
+
+def all_flushed(core: EpisodeCore, victims: list[Episode]) -> bool:
+    """:func:`flushed` for every one of ``victims``, in C-level passes."""
+    if END_NONE in map(_END_KIND, victims):
+        return False
+    return max(map(_END_FLUSH, victims)) < core.flushes
 
 
 def choose_victims(
@@ -100,7 +169,7 @@ def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode,
     popped: list[tuple[int, int]] = []
     try:
         while core.finished:
-            item = heapq.heappop(core.finished)
+            item = core.finished.pop()
             episode = core.episodes.get(item[1])
             if episode is None:
                 continue  # stale: evicted or cleared since it finished
@@ -112,7 +181,7 @@ def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode,
                 yield episode
     finally:
         for item in popped:
-            heapq.heappush(core.finished, item)
+            core.finished.push(item)
 
 
 def flushed(core: EpisodeCore, episode: Episode) -> bool:
@@ -130,13 +199,18 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
         for episode in episodes:
             remove_episode(core, episode)
         return
-    parts: list[array] = []
-    for episode in episodes:
-        rows = array("q", episode.rows)
-        if episode.final_row is not None:
-            rows.append(episode.final_row)
-        parts.append(rows)
-    ends = np.cumsum([len(rows) for rows in parts], dtype=np.int64)
+    # Each episode's rows, then its final row: C-level maps (no per-episode bytecode).
+    owns = map(_ROWS if any(map(_RUN, episodes)) else _OWN, episodes)  # settled
+    parts = list(map(array, repeat("q", len(episodes)), owns))
+    finals = list(map(_FINAL_ROW, episodes))
+    if None in finals:
+        for rows, row in zip(parts, finals, strict=True):
+            if row is not None:
+                rows.append(row)
+    else:
+        deque(map(array.append, parts, finals), maxlen=0)
+    lengths = list(map(len, parts))  # steps, and the final row if any
+    ends = np.fromiter(accumulate(lengths), np.int64, len(lengths))
     if ends[-1]:
         held = np.frombuffer(b"".join(parts), np.int64)
         core.anchors.remove_present_groups(held, ends)
@@ -145,19 +219,22 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
         if core.priorities is not None:
             device = core.slots.storing_device
             core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
-        freed = core.quarantine if core.pinned else core.free
-        for rows in parts:
-            rows.reverse()  # each episode's rows in the order pops hand them out again
-            freed.extend(rows)
-    stored, running = core.episodes, core.running
-    steps = valid = 0
+        deque(map(array.reverse, parts), maxlen=0)  # the order pops hand them out again
+        if core.pinned:
+            core.quarantine.extend(np.frombuffer(b"".join(parts), np.int64).tolist())
+        else:
+            core.free.frombytes(b"".join(parts))
+    ended = len(finals) - finals.count(None)  # episodes with a final row
+    steps = int(ends[-1]) - ended
+    valid = steps  # less one for each in progress with steps (its last has no next yet)
+    if ended < len(finals):
+        valid -= sum(1 for held, row in zip(lengths, finals, strict=True) if held and row is None)
+    ids = list(map(_EPISODE_ID, episodes))
+    deque(map(core.episodes.__delitem__, ids), maxlen=0)
     went = False  # an episode in progress went: the batch run ends
-    for episode, rows in zip(episodes, parts, strict=True):
-        count = len(rows) - (episode.final_row is not None)  # its steps
-        steps += count
-        valid += count if episode.final_row is not None or not count else count - 1
-        del stored[episode.episode_id]
-        went = running.pop(episode.episode_id, None) is not None or went
+    if END_NONE in map(_END_KIND, episodes):
+        running = core.running
+        went = any([running.pop(episode_id, None) is not None for episode_id in ids])
     core.steps -= steps
     core.valid_steps -= valid
     if went:

@@ -7,7 +7,6 @@ checks a state passes before it is restored, are :mod:`replaybuf.persist.episode
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -140,7 +139,7 @@ def _restore_table(
             zero += 1
         core.register(episode)
         if end_kind != END_NONE:
-            heapq.heappush(core.finished, (seq, episode_id))
+            core.finished.push((seq, episode_id))
 
 
 def core_stats(core: EpisodeCore) -> dict[str, Any]:

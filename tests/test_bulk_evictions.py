@@ -1,0 +1,138 @@
+"""Evictions taken straight off the finished heap (``make_room``'s fast path) and freed in
+C-level passes: what the one-by-one reference (``core.batched = False``) does, for random
+episode layouts, checkpoint pins included; and a refused eviction leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import heapq
+from unittest import mock
+
+import pytest
+import torch
+from episode_helpers import batch_of, final_obs, step
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_bulk_episodes import Driver, apply, ops, snapshot
+
+from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.episodes.eviction import make_room
+from replaybuf.episodes.finished import FinishedOrder
+
+
+class PinningDriver(Driver):
+    """A bulk driver that can also open and close a checkpoint's pin on the rows."""
+
+    def pin(self) -> None:
+        if not self.buf._core.pinned:
+            self.buf._core.pin()
+
+    def unpin(self) -> None:
+        if self.buf._core.pinned:
+            self.buf._core.unpin()
+
+
+def full_snapshot(buf: SyncEpisodeReplayBuffer) -> dict:
+    core = buf._core
+    out = snapshot(buf)
+    out["quarantine"] = list(core.quarantine)
+    out["pinned"] = core.pinned
+    out["counts"] = (core.steps, core.valid_steps, core.evicted, core.allocations)
+    out["rows"] = {e: (list(ep.rows), ep.final_row, ep.end_kind) for e, ep in core.episodes.items()}
+    out["running"] = sorted(core.running)
+    return out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    max_steps=st.integers(4, 30),
+    max_episodes=st.one_of(st.none(), st.integers(2, 10)),
+    program=ops,
+    pin_at=st.lists(st.tuples(st.integers(0, 29), st.sampled_from(["pin", "unpin"])), max_size=4),
+)
+def test_fast_evictions_agree_with_one_by_one(max_steps, max_episodes, program, pin_at):
+    bufs = [
+        SyncEpisodeReplayBuffer(max_steps, max_episodes, storage="tensor", seed=0) for _ in range(2)
+    ]
+    bufs[1]._core.batched = False
+    drivers = [PinningDriver(bufs[0], True), PinningDriver(bufs[1], True)]
+    pinning = dict(pin_at)
+    for at, (name, *args) in enumerate(program):
+        if at in pinning:
+            apply(drivers, pinning[at], ())
+        outcomes = apply(drivers, name, tuple(args))
+        assert outcomes[0] == outcomes[1]
+        assert full_snapshot(bufs[0]) == full_snapshot(bufs[1])
+    for buf in bufs:
+        buf.close()
+
+
+@pytest.mark.parametrize("envs", [1, 7, 40])
+def test_vector_env_cycles_agree_with_one_by_one(envs):
+    """A vector env's steady state: bulk starts, lockstep batches, bulk ends, evictions."""
+    bufs = [SyncEpisodeReplayBuffer(6 * envs, 4 * envs, storage="tensor", seed=0) for _ in "ab"]
+    bufs[1]._core.batched = False
+    ids = [buf.start_episodes(envs) for buf in bufs]
+    for cycle in range(12):
+        length = 1 + cycle % 4
+        for buf, own in zip(bufs, ids, strict=True):
+            for t in range(length):
+                buf.append_batch(own, *batch_of([step(e, t) for e in own]))
+            buf.end_episodes(own, "truncated", torch.stack([final_obs(e, length) for e in own]))
+        ids = [buf.start_episodes(envs) for buf in bufs]
+        assert full_snapshot(bufs[0]) == full_snapshot(bufs[1])
+    assert bufs[0].stats()["evicted_episodes"] > 0
+
+
+def test_refused_flush_puts_the_victims_heap_entries_back():
+    """make_room takes its victims' entries off the finished heap; when the flush before
+    freeing them raises, they go back and nothing is evicted."""
+    buf = SyncEpisodeReplayBuffer(12, None, storage="tensor", seed=0)
+    ids = buf.start_episodes(3)
+    for t in range(3):
+        buf.append_batch(ids, *batch_of([step(e, t) for e in ids]))
+    buf.end_episodes(ids, "terminated", torch.stack([final_obs(e, 3) for e in ids]))
+    core = buf._core  # ended after the last flush: an eviction flushes first
+    before = (sorted(core.finished), dict(core.episodes), core.steps, list(core.free))
+    with (
+        mock.patch.object(core, "flush", side_effect=RuntimeError("disk")),
+        pytest.raises(RuntimeError, match="disk"),
+    ):
+        make_room(core, 9, 0, 0, set())
+    assert (sorted(core.finished), dict(core.episodes), core.steps, list(core.free)) == before
+    make_room(core, 9, 0, 0, set())  # and now it evicts the two oldest
+    assert sorted(core.episodes) == [ids[2]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.tuples(st.just("push"), st.integers(0, 60)), st.just(("pop", 0))),
+        max_size=80,
+    )
+)
+def test_finished_order_pops_as_a_heap_does(program):
+    """FIFO for in-order pushes, heap for the rest: the same pops as one heap."""
+    order, heap, seen = FinishedOrder(), [], set()
+    for op, seq in program:
+        if op == "push":
+            if seq in seen:
+                continue  # entries are unique (one per episode)
+            seen.add(seq)
+            order.push((seq, seq + 100))
+            heapq.heappush(heap, (seq, seq + 100))
+        elif heap:
+            assert order.pop() == heapq.heappop(heap)
+        else:
+            assert not order
+            with pytest.raises(IndexError):
+                order.pop()
+        assert len(order) == len(heap)
+        assert sorted(order) == sorted(heap)
+    for entries in ([(1000, 1), (999, 2), (1001, 3)], [(1002, 4), (1003, 5)], [(998, 6)]):
+        order.extend(entries)  # out of order, in order after the last, before the last
+        for entry in entries:
+            heapq.heappush(heap, entry)
+    while heap:
+        assert order.pop() == heapq.heappop(heap)
+    assert not order
