@@ -24,6 +24,7 @@ from torchrl.data import TensorDictReplayBuffer
 from replaybuf.args import check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
+from replaybuf.buffers.ring_priorities import RingPriorities
 from replaybuf.buffers.ring_state import RingPersistence
 from replaybuf.errors import (
     ArgumentError,
@@ -32,7 +33,7 @@ from replaybuf.errors import (
     EmptyBufferError,
     SchemaError,
 )
-from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
+from replaybuf.priority import Prioritizer, priority_stats, ring_keys
 from replaybuf.sampling.budget import ensure_batch_fits
 from replaybuf.storage import (
     NORMAL_TENSORS,
@@ -51,7 +52,7 @@ logger = logging.getLogger("replaybuf")
 _NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
 
 
-class ReplayBuffer(RingEpochs, RingPersistence):
+class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
     """A fixed-size transition buffer storing on ``storing_device`` and serving on ``device``.
 
     Args:
@@ -415,35 +416,6 @@ class ReplayBuffer(RingEpochs, RingPersistence):
             return self._slots.gather(slots, self.device)
         finally:
             lock.release()
-
-    @synchronized
-    def update_priorities(self, index: Any, priority: Any) -> int:
-        """Set the priorities of sampled items; returns how many were applied.
-
-        ``index`` holds ids from a batch's ``index``. An item overwritten since it was sampled
-        is skipped (never applied to its slot's new occupant). Raises ``IndexError`` for an id
-        that was never written, ``ValueError`` for a negative, NaN or infinite priority or a
-        length mismatch; then nothing is applied.
-        """
-        self._check_open()
-        if self._priorities is None:
-            raise ArgumentError("update_priorities needs a buffer made with prioritized=True")
-        return update_ring(
-            self._priorities,
-            index,
-            priority,
-            self._writes,
-            self._size,
-            self.buffer_size,
-            self.storing_device,
-        )
-
-    @synchronized
-    def set_beta(self, beta: float) -> None:
-        """Change the importance-weight exponent (anneal it towards 1 during training)."""
-        if self._priorities is None:
-            raise ArgumentError("set_beta needs a buffer made with prioritized=True")
-        self._priorities.beta = check_beta(beta)
 
     def sample_random(self, batch_size: int) -> TensorDict:
         """Alias of :meth:`sample_batch` (ObjectRL's name)."""
