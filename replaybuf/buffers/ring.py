@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import check_seed, index_tensor, positive_int, seed_or_draw
+from replaybuf.args import INT64_MAX, check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
 from replaybuf.buffers.ring_priorities import RingPriorities
@@ -46,6 +46,7 @@ from replaybuf.storage import (
     resolve_kind,
     row_writer,
     to_leaves,
+    uniform_batch,
 )
 
 logger = logging.getLogger("replaybuf")
@@ -402,18 +403,25 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         lock = self._lock  # inline, as the per-step appends: the sampling hot path
         lock.acquire()
         try:
-            self._require(batch_size)
-            spec = self._slots.spec
+            # One check of what a batch size usually is; anything else gets _require's verdict.
+            ok = type(batch_size) is int and 0 < batch_size <= INT64_MAX and self._size
+            if self._closed or not ok:
+                self._require(batch_size)
+            device, slots = self._device, self._slots
+            spec = slots.spec
             if spec is not None:  # before the draws: a refusal leaves the generator as it was
-                ensure_batch_fits(batch_size, spec.row_bytes, (self.device, self.storing_device))
+                ensure_batch_fits(batch_size, spec.row_bytes, (device, self._storing_device))
             if self._priorities is not None:
-                slots, weight = self._priorities.draw(batch_size, self._generator)
-                extra = ring_keys(slots, weight, self._writes, self.buffer_size, self.device)
-                return self._slots.gather(slots, self.device, extra=extra)
-            slots = torch.randint(
-                0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
+                drawn, weight = self._priorities.draw(batch_size, self._generator)
+                extra = ring_keys(drawn, weight, self._writes, self.buffer_size, device)
+                return slots.gather(drawn, device, extra=extra)
+            batch = uniform_batch(slots)  # on the host: the same draw, gathered in fewer calls
+            if batch is not None and device == self._storing_device:
+                return batch(self._size, batch_size, self._generator)
+            drawn = torch.randint(
+                0, self._size, (batch_size,), generator=self._generator, device=self._storing_device
             )
-            return self._slots.gather(slots, self.device)
+            return slots.gather(drawn, device)
         finally:
             lock.release()
 

@@ -7,6 +7,7 @@ from replaybuf.storage.devices import NORMAL_TENSORS, resolve_device, resolve_ki
 from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.ragged import Ragged, RaggedColumn
+from replaybuf.storage.ringbatch import UniformBatch, uniform_batch
 from replaybuf.storage.ringrow import RowWriter, row_writer
 from replaybuf.storage.schema import Field, FieldSpec, Key, field_key, key_name
 from replaybuf.storage.slots import SlotStorage
@@ -28,6 +29,7 @@ __all__ = [
     "RowStager",
     "RowWriter",
     "SlotStorage",
+    "UniformBatch",
     "build_tensordict",
     "decode",
     "field_key",
@@ -39,4 +41,5 @@ __all__ = [
     "row_writer",
     "to_device_async",
     "to_leaves",
+    "uniform_batch",
 ]
