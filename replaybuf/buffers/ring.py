@@ -40,6 +40,7 @@ from replaybuf.storage import (
     FieldSpec,
     Key,
     SlotStorage,
+    chunk_writer,
     field_key,
     key_name,
     resolve_device,
@@ -312,17 +313,27 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         lock.acquire()
         try:
             self._check_open()
-            spec = self._slots.spec
-            leaves = None if spec is None else spec.match(batch, batched=True)
-            if leaves is None:
-                leaves = to_leaves(batch, batched=True, what="add_batch", spec=spec)
-                self._write(leaves, "add_batch")
-            elif self._size:  # the spec's fields exactly, into allocated storage
-                self._write_rows(leaves, "add_batch", checked=True)
+            # The chunk writer chosen for this storage (replaybuf.storage.ringchunk): the spec's
+            # exact fields go straight into the columns; -1, nothing written: the general path.
+            rows = chunk_writer(self._slots)(batch)
+            if rows > 0:
+                self._advance(rows)
             else:
-                self._write(leaves, "add_batch", checked=True)
+                self._add_batch(batch)
         finally:
             lock.release()
+
+    def _add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
+        """:meth:`add_batch`'s general path: convert, check against the spec, write."""
+        spec = self._slots.spec
+        leaves = None if spec is None else spec.match(batch, batched=True)
+        if leaves is None:
+            leaves = to_leaves(batch, batched=True, what="add_batch", spec=spec)
+            self._write(leaves, "add_batch")
+        elif self._size:  # the spec's fields exactly, into allocated storage
+            self._write_rows(leaves, "add_batch", checked=True)
+        else:
+            self._write(leaves, "add_batch", checked=True)
 
     def _write(self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False) -> None:
         """:meth:`_write_rows`; the first write into empty storage, which allocates it, is

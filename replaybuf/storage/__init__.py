@@ -8,6 +8,7 @@ from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.ragged import Ragged, RaggedColumn
 from replaybuf.storage.ringbatch import UniformBatch, uniform_batch
+from replaybuf.storage.ringchunk import ChunkWriter, chunk_writer
 from replaybuf.storage.ringrow import RowWriter, row_writer
 from replaybuf.storage.schema import Field, FieldSpec, Key, field_key, key_name
 from replaybuf.storage.slots import SlotStorage
@@ -17,6 +18,7 @@ from replaybuf.storage.tensordicts import build_tensordict, nest
 
 __all__ = [
     "NORMAL_TENSORS",
+    "ChunkWriter",
     "DeviceMirror",
     "Field",
     "FieldSpec",
@@ -31,6 +33,7 @@ __all__ = [
     "SlotStorage",
     "UniformBatch",
     "build_tensordict",
+    "chunk_writer",
     "decode",
     "field_key",
     "free_bytes",
