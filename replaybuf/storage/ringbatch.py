@@ -32,13 +32,19 @@ class UniformBatch:
     def __init__(self, names: list[str], views: list[np.ndarray], new: Any) -> None:
         self.fields = list(zip(names, views, strict=True))
         self.new = new  # tensordict's unchecked constructor
+        # Whether the batch's device may be set as _new_unsafe sets it (see _device_settable).
+        self.set_device = _device_settable(new)
 
     def __call__(self, size: int, batch_size: int, generator: torch.Generator) -> TensorDict:
         slots = torch.randint(0, size, (batch_size,), generator=generator, device=_CPU)
         at = slots.numpy()
         from_numpy = torch.from_numpy
         source = {name: from_numpy(view.take(at, axis=0)) for name, view in self.fields}
-        return self.new(source, batch_size=slots.shape, device=_CPU)
+        if not self.set_device:
+            return self.new(source, batch_size=slots.shape, device=_CPU)
+        batch = self.new(source, batch_size=slots.shape, device=None)
+        batch._device = _CPU
+        return batch
 
 
 def uniform_batch(slots: SlotStorage) -> UniformBatch | None:
@@ -60,3 +66,17 @@ def _choose(slots: SlotStorage) -> UniformBatch | None:
     if any(view is None for view in views):
         return None
     return UniformBatch(names, [view for view in views if view is not None], NEW_UNSAFE)
+
+
+def _device_settable(new: Any) -> bool:
+    """Whether a flat TensorDict built by ``new`` (``_new_unsafe``) without a device and then
+    given ``_device``, the attribute that constructor sets, is on the CPU like one built with
+    ``device="cpu"``. Given a device, ``_new_unsafe`` builds a ``torch.device`` and asks whether
+    MPS exists on every call, which only its nested values use; a tensordict that keeps the
+    device otherwise gets the device argument."""
+    try:
+        probe = new({"x": torch.zeros(1)}, batch_size=torch.Size([1]), device=None)
+        probe._device = _CPU
+        return type(probe) is TensorDict and probe.device == _CPU and probe["x"].device == _CPU
+    except Exception:  # an attribute this tensordict does not let be set
+        return False
