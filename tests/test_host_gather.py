@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replaybuf import ReplayBuffer
+from replaybuf.storage import UniformBatch, uniform_batch
 from replaybuf.storage.host_gather import NumpyTakes, host_gather
 
 DTYPES = [
@@ -105,3 +106,43 @@ def test_sampled_batches_own_their_memory(tmp_path, kind, prioritized):
         for b, before in zip(batches, kept, strict=True):
             for k in data:
                 assert torch.equal(b[k], before[k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=fields,
+    stored=st.integers(1, 40),
+    batch=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_uniform_batch_equals_the_general_draw_and_gather(layout, stored, batch, seed):
+    """``sample_batch``'s host path (replaybuf.storage.ringbatch) against the general path: the
+    same draw from the same generator, the same rows bit for bit, the same TensorDict."""
+    columns = columns_of(layout, stored, seed)
+    data = {f"f{i}": column for i, column in enumerate(columns)}
+    fast = ReplayBuffer("cpu", "cpu", stored, storage="tensor", seed=seed)
+    general = ReplayBuffer("cpu", "cpu", stored, storage="tensor", seed=seed)
+    with fast, general:
+        fast.add_batch(data)
+        general.add_batch(data)
+        assert isinstance(uniform_batch(fast._slots), UniformBatch)
+        got = fast.sample_batch(batch)
+        slots = torch.randint(0, stored, (batch,), generator=general._generator)
+        want = general._slots.gather(slots, torch.device("cpu"))
+        assert torch.equal(fast._generator.get_state(), general._generator.get_state())
+        assert got.batch_size == want.batch_size == torch.Size([batch])
+        assert got.device == want.device
+        assert list(got.keys()) == list(want.keys())
+        check_equal([got[k] for k in data], columns, slots)
+
+
+def test_uniform_batch_is_declined_where_the_host_path_does_not_apply():
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", seed=0) as buf:
+        assert uniform_batch(buf._slots) is None  # nothing allocated
+        buf.add_batch({"x": torch.ones(4, 2), "y": torch.ones(4, dtype=torch.bfloat16)})
+        assert uniform_batch(buf._slots) is None  # numpy has no bfloat16 view
+        assert buf.sample_batch(3)["y"].dtype == torch.bfloat16
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", seed=0) as buf:
+        buf.add_batch({"a": {"b": torch.ones(4, 2)}, "c": torch.zeros(4)})
+        assert uniform_batch(buf._slots) is None  # nested: the general path builds the nesting
+        assert buf.sample_batch(3)["a", "b"].shape == (3, 2)

@@ -261,3 +261,42 @@ def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():
         assert row_writer(buf._slots) is declined  # numpy has no bfloat16 view
         buf.add({"x": torch.ones(2, dtype=torch.bfloat16)})
         assert buf.size == 2
+
+
+@pytest.mark.parametrize(
+    ("obs", "taken"),
+    [
+        (torch.zeros(3, device="meta"), False),
+        (torch.zeros(3).to_sparse(), False),
+        (torch.zeros(3, requires_grad=True), False),
+        (torch.zeros(3, dtype=torch.bfloat16), False),
+        (torch.zeros(3, dtype=torch.float64), False),
+        (torch.zeros(3, dtype=torch.int32), False),
+        (torch.zeros(1, 3), False),
+        (torch.arange(6.0)[::2], True),  # a strided view: numpy reads it as is
+    ],
+    ids=["meta", "sparse", "grad", "bfloat16", "float64", "int32", "shape", "strided"],
+)
+def test_shaped_tensors_are_checked_through_numpy_as_the_general_path(tmp_path, obs, taken):
+    """The row writer checks a shaped tensor through its numpy() array: what numpy() refuses
+    or what differs there in dtype or shape is declined with nothing written, and the general
+    path then stores or refuses it as it would without the fast path."""
+    fast, general = pair(tmp_path, "tensor", 5, False)
+    try:
+        writer = row_writer(fast._slots)
+        assert isinstance(writer, RingRow)
+        experience = {**FIRST, "obs": obs}
+        before = state(fast)
+        assert (writer(experience) >= 0) is taken
+        if taken:  # the writer alone wrote it: the ring counts it as add would
+            fast._advance(1)
+            general_add(general, experience)
+        else:
+            same_state(state(fast), before)
+            assert _outcome(ReplayBuffer.add, fast, experience) == _outcome(
+                general_add, general, experience
+            )
+        same_state(state(fast), state(general))
+    finally:
+        fast.close()
+        general.close()

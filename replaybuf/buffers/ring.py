@@ -21,9 +21,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import check_seed, index_tensor, positive_int, seed_or_draw
+from replaybuf.args import INT64_MAX, check_seed, index_tensor, positive_int, seed_or_draw
 from replaybuf.buffers.locking import synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
+from replaybuf.buffers.ring_priorities import RingPriorities
 from replaybuf.buffers.ring_state import RingPersistence
 from replaybuf.errors import (
     ArgumentError,
@@ -32,26 +33,28 @@ from replaybuf.errors import (
     EmptyBufferError,
     SchemaError,
 )
-from replaybuf.priority import Prioritizer, check_beta, priority_stats, ring_keys, update_ring
+from replaybuf.priority import Prioritizer, priority_stats, ring_keys
 from replaybuf.sampling.budget import ensure_batch_fits
 from replaybuf.storage import (
     NORMAL_TENSORS,
     FieldSpec,
     Key,
     SlotStorage,
+    chunk_writer,
     field_key,
     key_name,
     resolve_device,
     resolve_kind,
     row_writer,
     to_leaves,
+    uniform_batch,
 )
 
 logger = logging.getLogger("replaybuf")
 _NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
 
 
-class ReplayBuffer(RingEpochs, RingPersistence):
+class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
     """A fixed-size transition buffer storing on ``storing_device`` and serving on ``device``.
 
     Args:
@@ -310,17 +313,27 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         lock.acquire()
         try:
             self._check_open()
-            spec = self._slots.spec
-            leaves = None if spec is None else spec.match(batch, batched=True)
-            if leaves is None:
-                leaves = to_leaves(batch, batched=True, what="add_batch", spec=spec)
-                self._write(leaves, "add_batch")
-            elif self._size:  # the spec's fields exactly, into allocated storage
-                self._write_rows(leaves, "add_batch", checked=True)
+            # The chunk writer chosen for this storage (replaybuf.storage.ringchunk): the spec's
+            # exact fields go straight into the columns; -1, nothing written: the general path.
+            rows = chunk_writer(self._slots)(batch)
+            if rows > 0:
+                self._advance(rows)
             else:
-                self._write(leaves, "add_batch", checked=True)
+                self._add_batch(batch)
         finally:
             lock.release()
+
+    def _add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
+        """:meth:`add_batch`'s general path: convert, check against the spec, write."""
+        spec = self._slots.spec
+        leaves = None if spec is None else spec.match(batch, batched=True)
+        if leaves is None:
+            leaves = to_leaves(batch, batched=True, what="add_batch", spec=spec)
+            self._write(leaves, "add_batch")
+        elif self._size:  # the spec's fields exactly, into allocated storage
+            self._write_rows(leaves, "add_batch", checked=True)
+        else:
+            self._write(leaves, "add_batch", checked=True)
 
     def _write(self, leaves: dict[Key, torch.Tensor], what: str, checked: bool = False) -> None:
         """:meth:`_write_rows`; the first write into empty storage, which allocates it, is
@@ -401,49 +414,27 @@ class ReplayBuffer(RingEpochs, RingPersistence):
         lock = self._lock  # inline, as the per-step appends: the sampling hot path
         lock.acquire()
         try:
-            self._require(batch_size)
-            spec = self._slots.spec
+            # One check of what a batch size usually is; anything else gets _require's verdict.
+            ok = type(batch_size) is int and 0 < batch_size <= INT64_MAX and self._size
+            if self._closed or not ok:
+                self._require(batch_size)
+            device, slots = self._device, self._slots
+            spec = slots.spec
             if spec is not None:  # before the draws: a refusal leaves the generator as it was
-                ensure_batch_fits(batch_size, spec.row_bytes, (self.device, self.storing_device))
+                ensure_batch_fits(batch_size, spec.row_bytes, (device, self._storing_device))
             if self._priorities is not None:
-                slots, weight = self._priorities.draw(batch_size, self._generator)
-                extra = ring_keys(slots, weight, self._writes, self.buffer_size, self.device)
-                return self._slots.gather(slots, self.device, extra=extra)
-            slots = torch.randint(
-                0, self._size, (batch_size,), generator=self._generator, device=self.storing_device
+                drawn, weight = self._priorities.draw(batch_size, self._generator)
+                extra = ring_keys(drawn, weight, self._writes, self.buffer_size, device)
+                return slots.gather(drawn, device, extra=extra)
+            batch = uniform_batch(slots)  # on the host: the same draw, gathered in fewer calls
+            if batch is not None and device == self._storing_device:
+                return batch(self._size, batch_size, self._generator)
+            drawn = torch.randint(
+                0, self._size, (batch_size,), generator=self._generator, device=self._storing_device
             )
-            return self._slots.gather(slots, self.device)
+            return slots.gather(drawn, device)
         finally:
             lock.release()
-
-    @synchronized
-    def update_priorities(self, index: Any, priority: Any) -> int:
-        """Set the priorities of sampled items; returns how many were applied.
-
-        ``index`` holds ids from a batch's ``index``. An item overwritten since it was sampled
-        is skipped (never applied to its slot's new occupant). Raises ``IndexError`` for an id
-        that was never written, ``ValueError`` for a negative, NaN or infinite priority or a
-        length mismatch; then nothing is applied.
-        """
-        self._check_open()
-        if self._priorities is None:
-            raise ArgumentError("update_priorities needs a buffer made with prioritized=True")
-        return update_ring(
-            self._priorities,
-            index,
-            priority,
-            self._writes,
-            self._size,
-            self.buffer_size,
-            self.storing_device,
-        )
-
-    @synchronized
-    def set_beta(self, beta: float) -> None:
-        """Change the importance-weight exponent (anneal it towards 1 during training)."""
-        if self._priorities is None:
-            raise ArgumentError("set_beta needs a buffer made with prioritized=True")
-        self._priorities.beta = check_beta(beta)
 
     def sample_random(self, batch_size: int) -> TensorDict:
         """Alias of :meth:`sample_batch` (ObjectRL's name)."""

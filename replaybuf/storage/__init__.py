@@ -7,6 +7,8 @@ from replaybuf.storage.devices import NORMAL_TENSORS, resolve_device, resolve_ki
 from replaybuf.storage.fastrow import RowPlan
 from replaybuf.storage.mirror import DeviceMirror
 from replaybuf.storage.ragged import Ragged, RaggedColumn
+from replaybuf.storage.ringbatch import UniformBatch, uniform_batch
+from replaybuf.storage.ringchunk import ChunkWriter, chunk_writer
 from replaybuf.storage.ringrow import RowWriter, row_writer
 from replaybuf.storage.schema import Field, FieldSpec, Key, field_key, key_name
 from replaybuf.storage.slots import SlotStorage
@@ -16,6 +18,7 @@ from replaybuf.storage.tensordicts import build_tensordict, nest
 
 __all__ = [
     "NORMAL_TENSORS",
+    "ChunkWriter",
     "DeviceMirror",
     "Field",
     "FieldSpec",
@@ -28,7 +31,9 @@ __all__ = [
     "RowStager",
     "RowWriter",
     "SlotStorage",
+    "UniformBatch",
     "build_tensordict",
+    "chunk_writer",
     "decode",
     "field_key",
     "free_bytes",
@@ -39,4 +44,5 @@ __all__ = [
     "row_writer",
     "to_device_async",
     "to_leaves",
+    "uniform_batch",
 ]

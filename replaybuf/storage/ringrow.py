@@ -98,14 +98,21 @@ class RingRow:
                     if (got is not np_dtype and got != np_dtype) or value.shape != shape:
                         return -1
                 elif kind is torch.Tensor:
-                    if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
-                        return -1
                     if shape == ():
-                        if value.layout is not _STRIDED:
+                        if value.dtype is not dtype or value.shape != shape:
+                            return -1
+                        if not value.is_cpu or value.layout is not _STRIDED:
                             return -1
                         value = value.item()  # exact: a Python number holds any 0-d value
                     else:
-                        value = value.numpy()  # refuses grad, conj/neg views, sparse
+                        # numpy() refuses what the general path must see (other devices and
+                        # layouts, grad, conj/neg views) and, numpy and torch dtypes matching
+                        # one to one, its array's dtype and shape are the tensor's: checked
+                        # there, as numpy's attributes cost less than torch's.
+                        value = value.numpy()
+                        got = value.dtype
+                        if (got is not np_dtype and got != np_dtype) or value.shape != shape:
+                            return -1
                 elif kind is scalar:  # a numpy scalar of the field's dtype
                     if shape != ():
                         return -1

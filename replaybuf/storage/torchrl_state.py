@@ -155,6 +155,21 @@ class RowBookkeeping:
         self.cursor.value = (slot + 1) % self.max_size
         self.writes.value += 1
 
+    def wrote_rows(self, cursor: int, rows: int) -> None:
+        """Record ``rows`` rows (at most ``max_size``) written from the writer's ``cursor``,
+        wrapping, as ``extend`` would: the last cursor is their slots as a range, or where they
+        wrap, the last slot (what every TorchRL reader takes of it)."""
+        end = cursor + rows
+        last = (end - 1) % self.max_size
+        self.storage._last_cursor = range(cursor, end) if end <= self.max_size else last
+        self.last.value = last
+        length = self.length
+        if length.value < self.max_size:
+            length.value = min(length.value + rows, self.max_size)
+        self.revision.value += 1
+        self.cursor.value = end % self.max_size
+        self.writes.value += rows
+
 
 def row_bookkeeping(memory: TensorDictReplayBuffer) -> RowBookkeeping | None:
     """:class:`RowBookkeeping` of ``memory`` (allocated, a round-robin ring), or None where this
