@@ -239,12 +239,13 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_fast_frame_stacks_are_the_general_paths(
     make, episodes, max_steps, k, padding, n, batch_size, prioritized, nested, storage, seed
 ):
-    """The one-pass path (each window's k + n frames gathered once where every window of the
-    batch is n < k steps long, else both ends' stacks) against the general path on the same
+    """The one-pass paths (each window's k + n frames gathered once where every window of the
+    batch is n < k steps long, else both ends' stacks; uniform draws through FrameNStep's
+    one compiled call, prioritized ones through HostNStep) against the general path on the same
     buffer, the generator seeded alike: the same batch, key for key, over random episode
     layouts with evictions and episodes in progress, both paddings, k and n in 1..5, flat and
     dict observations, uniform and prioritized draws (priorities made uneven first)."""
-    from replaybuf.sampling.host import HostNStep
+    from replaybuf.sampling.host import FrameNStep, HostNStep
 
     buf = make(
         max_steps,
@@ -269,7 +270,8 @@ def test_fast_frame_stacks_are_the_general_paths(
         )
     buf._generator.manual_seed(seed)
     got = buf.sample_n_step(batch_size, n=n, gamma=0.9)
-    assert isinstance(buf._chosen_paths().n_step, HostNStep)  # the fast path ran
+    fast = buf._chosen_paths().n_step  # the fast path ran: the one-call one where uniform
+    assert type(fast) is (HostNStep if prioritized else FrameNStep)
     buf._generator.manual_seed(seed)
     want = general_n_step(buf, batch_size, n, 0.9)
     assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
