@@ -127,7 +127,8 @@ class FrameNStep(HostNStep):
         general: NStepPath,
     ) -> None:
         super().__init__(core, plan, generator, general)
-        self.picks = torch.empty(0, dtype=torch.long)  # the draws' scratch (caller's lock)
+        # the draws' scratch (the buffer's lock keeps one call at a time)
+        self.picks = torch.empty(0, dtype=torch.long, device=_CPU)
         self.picks_host = self.picks.numpy()
         self.anchors: object = None  # the anchor set whose rows anchor_rows views
         self.anchor_rows = np.empty(0, np.int64)
@@ -146,7 +147,7 @@ class FrameNStep(HostNStep):
             self.anchors, self.anchor_rows = anchors, anchors.rows.numpy()
         picks = self.picks
         if picks.shape[0] != batch_size:
-            picks = self.picks = torch.empty(batch_size, dtype=torch.long)
+            picks = self.picks = torch.empty(batch_size, dtype=torch.long, device=_CPU)
             self.picks_host, self.size = picks.numpy(), torch.Size([batch_size])
         picks.random_(0, anchors.count, generator=self.generator)  # = torch.randint's draws
         powers = self.powers.get((gamma, n))
