@@ -14,7 +14,7 @@ from replaybuf.core import host_powers, reward_powers
 from replaybuf.episodes import HostLinks
 from replaybuf.sampling.common import keys_of, nstep_key_order
 from replaybuf.sampling.draws import draw_anchors, with_priority_keys
-from replaybuf.sampling.frames import HostStacks
+from replaybuf.sampling.frames import HostStacks, take_stacks
 from replaybuf.sampling.nstep import host_gathers
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import (
@@ -145,11 +145,10 @@ class FrameNStep(HostNStep):
         anchors = self.core.anchors
         if anchors is not self.anchors:
             self.anchors, self.anchor_rows = anchors, anchors.rows.numpy()
-        picks = self.picks
-        if picks.shape[0] != batch_size:
-            picks = self.picks = torch.empty(batch_size, dtype=torch.long, device=_CPU)
-            self.picks_host, self.size = picks.numpy(), torch.Size([batch_size])
-        picks.random_(0, anchors.count, generator=self.generator)  # = torch.randint's draws
+        if self.size[0] != batch_size:
+            self.picks = torch.empty(batch_size, dtype=torch.long, device=_CPU)
+            self.picks_host, self.size = self.picks.numpy(), torch.Size([batch_size])
+        self.picks.random_(0, anchors.count, generator=self.generator)  # = torch.randint's
         powers = self.powers.get((gamma, n))
         if powers is None:
             if len(self.powers) > 16:
@@ -161,10 +160,9 @@ class FrameNStep(HostNStep):
             self.picks_host, self.anchor_rows, n, k, links.succ, links.end_kind, links.step,
             links.episode, plan.rewards, *powers, links.prev_row,
         )  # fmt: skip
-        stacks = HostStacks(rows, real, k + shift, plan.zero_padding, shift)
         values: list[np.ndarray] = []
         for view in plan.observations:
-            values += stacks.take(view)
+            values += take_stacks(view, rows, real, k + shift, shift, plan.zero_padding)
         start, actual_n, step, episode = ints  # rows of fresh arrays: the caller's
         terminal, truncated, cut = flags
         values += [view.take(start, axis=0) for view in plan.steps]
