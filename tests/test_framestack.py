@@ -288,6 +288,35 @@ def test_fast_frame_stacks_are_the_general_paths(
     event(f"both stacks from one gather: {one}")
 
 
+def test_one_call_batches_are_the_callers_across_calls(make):
+    """The one-call path reuses a scratch tensor for its draws: batches of changing sizes, each
+    the general path's for the same seed, and none changed or shared by a later call."""
+    from replaybuf.sampling.host import FrameNStep
+
+    buf = make(40, frame_stack=3)
+    for e_len in (7, 9, 11):
+        e = buf.start_episode()
+        for t in range(e_len):
+            buf.append_observation_action_reward(e, frame(e, t), t, float(t))
+        buf.end_episode(e, "terminated", final_observation=frame(e, e_len))
+    got = []
+    for i, size in enumerate((8, 16, 8, 1)):
+        buf._generator.manual_seed(i)
+        got.append(buf.sample_n_step(size, n=2, gamma=0.9))
+        assert isinstance(buf._chosen_paths().n_step, FrameNStep)
+        buf._generator.manual_seed(i)
+        want = general_n_step(buf, size, 2, 0.9)
+        leaves = want.keys(include_nested=True, leaves_only=True)
+        assert all(torch.equal(got[-1][key], want[key]) for key in leaves), size
+    kept = [batch.clone() for batch in got]
+    for _ in range(3):
+        buf.sample_n_step(16, n=2)
+    for batch, before in zip(got, kept, strict=True):
+        assert (batch == before).all()
+    for key in got[0].keys(include_nested=True, leaves_only=True):
+        assert not shares_memory(got[0][key], got[2][key]), key
+
+
 def test_batches_are_the_callers_after_later_writes(make):
     """Stacks cut from one gather of k + n frames: nothing of the storage, so writes that
     evict and reuse every row leave a batch as it was; its two stacks share frames (writing

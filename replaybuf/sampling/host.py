@@ -106,10 +106,10 @@ def _stacks(plan: _HostPlan, k: int, w: Windows, n: int) -> HostStacks:
 
 
 class FrameNStep(HostNStep):
-    """:class:`HostNStep` for uniform frame-stacked buffers: a batch drawn, windowed and its
-    stack rows found by one compiled call (:func:`replaybuf.accel.numba_kernels.frame_nstep`),
-    then one gather per field; the same batches. Draws without replacement and a random n go
-    to ``general``, as in :class:`HostNStep`.
+    """:class:`HostNStep` for uniform frame-stacked buffers: the drawn anchors looked up,
+    their windows walked and their stack rows found by one compiled call
+    (:func:`replaybuf.accel.numba_kernels.frame_nstep`), then one gather per field; the same
+    batches. Draws without replacement and a random n go to ``general``, as in HostNStep.
 
     The draw is the buffer generator's ``randint`` over the anchor set, written into a scratch
     tensor (the same numbers, without a new tensor and its numpy view per call); the kernel
