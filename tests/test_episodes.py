@@ -758,8 +758,9 @@ def test_compiled_and_numpy_index_give_the_same_n_step_batches(
     from replaybuf.accel import numba_kernels as kernels
 
     calls = []
-    windows = kernels.nstep_windows
-    monkeypatch.setattr(kernels, "nstep_windows", lambda *a: calls.append(1) or windows(*a))
+    for name in ("nstep_windows", "frame_nstep"):  # frame stacks: the one-call frame kernel
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, f=kernel: calls.append(1) or f(*a))
     batches = [[buf.sample_n_step(64, n=n, gamma=0.9) for _ in range(3)] for buf in bufs]
     assert len(calls) == 3  # the first buffer's batches, not the second's, ran the kernel
     for got, want in zip(*batches, strict=True):

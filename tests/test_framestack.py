@@ -239,12 +239,13 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_fast_frame_stacks_are_the_general_paths(
     make, episodes, max_steps, k, padding, n, batch_size, prioritized, nested, storage, seed
 ):
-    """The one-pass path (each window's k + n frames gathered once where every window of the
-    batch is n < k steps long, else both ends' stacks) against the general path on the same
+    """The one-pass paths (each window's k + n frames gathered once where every window of the
+    batch is n < k steps long, else both ends' stacks; uniform draws through FrameNStep's
+    one compiled call, prioritized ones through HostNStep) against the general path on the same
     buffer, the generator seeded alike: the same batch, key for key, over random episode
     layouts with evictions and episodes in progress, both paddings, k and n in 1..5, flat and
     dict observations, uniform and prioritized draws (priorities made uneven first)."""
-    from replaybuf.sampling.host import HostNStep
+    from replaybuf.sampling.host import FrameNStep, HostNStep
 
     buf = make(
         max_steps,
@@ -269,7 +270,8 @@ def test_fast_frame_stacks_are_the_general_paths(
         )
     buf._generator.manual_seed(seed)
     got = buf.sample_n_step(batch_size, n=n, gamma=0.9)
-    assert isinstance(buf._chosen_paths().n_step, HostNStep)  # the fast path ran
+    fast = buf._chosen_paths().n_step  # the fast path ran: the one-call one where uniform
+    assert type(fast) is (HostNStep if prioritized else FrameNStep)
     buf._generator.manual_seed(seed)
     want = general_n_step(buf, batch_size, n, 0.9)
     assert list(got.keys(include_nested=True)) == list(want.keys(include_nested=True))
@@ -284,6 +286,35 @@ def test_fast_frame_stacks_are_the_general_paths(
     )
     assert shares_memory(now, after) == one
     event(f"both stacks from one gather: {one}")
+
+
+def test_one_call_batches_are_the_callers_across_calls(make):
+    """The one-call path reuses a scratch tensor for its draws: batches of changing sizes, each
+    the general path's for the same seed, and none changed or shared by a later call."""
+    from replaybuf.sampling.host import FrameNStep
+
+    buf = make(40, frame_stack=3)
+    for e_len in (7, 9, 11):
+        e = buf.start_episode()
+        for t in range(e_len):
+            buf.append_observation_action_reward(e, frame(e, t), t, float(t))
+        buf.end_episode(e, "terminated", final_observation=frame(e, e_len))
+    got = []
+    for i, size in enumerate((8, 16, 8, 1)):
+        buf._generator.manual_seed(i)
+        got.append(buf.sample_n_step(size, n=2, gamma=0.9))
+        assert isinstance(buf._chosen_paths().n_step, FrameNStep)
+        buf._generator.manual_seed(i)
+        want = general_n_step(buf, size, 2, 0.9)
+        leaves = want.keys(include_nested=True, leaves_only=True)
+        assert all(torch.equal(got[-1][key], want[key]) for key in leaves), size
+    kept = [batch.clone() for batch in got]
+    for _ in range(3):
+        buf.sample_n_step(16, n=2)
+    for batch, before in zip(got, kept, strict=True):
+        assert (batch == before).all()
+    for key in got[0].keys(include_nested=True, leaves_only=True):
+        assert not shares_memory(got[0][key], got[2][key]), key
 
 
 def test_batches_are_the_callers_after_later_writes(make):

@@ -11,7 +11,8 @@ descends one mass at a time, and the numpy n-step path makes ~25 numpy calls. Th
 take one step for all the walks at once, so their loads are independent and overlap, and do all
 the steps in one call.
 
-The frame-stack kernels live in :mod:`replaybuf.accel.numba_frames` and are members here too.
+The frame-stack kernels live in :mod:`replaybuf.accel.numba_frames`, the n-step window
+kernels in :mod:`replaybuf.accel.numba_nstep`; both are members here too.
 Callers load this module through :mod:`replaybuf.accel.numba_loader`, and run their numpy paths
 where it does not load. The kernels compute what those paths compute, with the same float
 operations in the same order (the tests check them against each other; the one exception is
@@ -21,25 +22,21 @@ signatures (or loads them from numba's cache, next to this file or in numba's us
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numba import njit, types
 
 from replaybuf.accel.numba_frames import stack_rows as stack_rows
 from replaybuf.accel.numba_frames import window_stacks as window_stacks
-
-if TYPE_CHECKING:
-    from numba.core.typing import Signature
+from replaybuf.accel.numba_nstep import END_NONE
+from replaybuf.accel.numba_nstep import frame_nstep as frame_nstep
+from replaybuf.accel.numba_nstep import nstep_windows as nstep_windows
 
 _F64 = types.float64[::1]
 _F64_2D = types.float64[:, ::1]
 _F32 = types.float32[::1]
 _I64 = types.int64[::1]
 _I8 = types.int8[::1]
-_BOOL = types.boolean[::1]
 _I64_IN = types.Array(types.int64, 1, "C", readonly=True)  # read only: writable ones convert
-END_NONE, END_TERMINATED, END_TRUNCATED = 0, 1, 2  # replaybuf.core.index's end kinds
 
 
 @njit(types.void(_F64, _F64_2D, _F64_2D, _F64, _I64, _F64), cache=True, boundscheck=False)
@@ -146,75 +143,6 @@ def draw_relative(
     locate(starts, running, leaves, masses, items, weights)
     for k in range(weights.shape[0]):
         relative[k] = (weights[k] / smallest) ** power
-
-
-def _nstep_signature(reward: types.Float) -> Signature:
-    """(ends, return, terminal, truncated, cut, discount, m, step, episode) of the anchors."""
-    result = types.Tuple((_I64, reward[::1], _BOOL, _BOOL, _BOOL, _F32, _I64, _I64, _I64))
-    return result(_I64, _I64, types.int64, _I64, _I8, _I64, _I64, reward[::1], reward[::1], _F32)
-
-
-@njit(
-    [_nstep_signature(types.float32), _nstep_signature(types.float64)],
-    cache=True,
-    boundscheck=False,
-)
-def nstep_windows(
-    start: np.ndarray,
-    n_each: np.ndarray,
-    n_max: int,
-    succ: np.ndarray,
-    end_kind: np.ndarray,
-    step: np.ndarray,
-    episode: np.ndarray,
-    reward: np.ndarray,
-    reward_powers: np.ndarray,
-    discount_powers: np.ndarray,
-) -> tuple[np.ndarray, ...]:
-    """:func:`replaybuf.core.index.nstep_windows` and the values ``sampling._window_values`` makes
-    of them, for anchors ``start [B]``, each walking up to ``n_each[b]`` links (or ``n_max``
-    when ``n_each`` is empty) along ``succ`` (self-loops at an episode's last row).
-
-    ``reward`` is the 1-D reward column, ``reward_powers`` γ^0..γ^(n_max-1) in its dtype, and
-    ``discount_powers`` the float32 γ^0..γ^n_max. Returns the rows of both observations
-    (``[2B]``: starts, then ends) and, per anchor, the discounted return, terminal, truncated,
-    cut, the bootstrap discount (0 after termination), m, the start's step and episode.
-
-    The return adds γ^k r_{t+k} in order k = 0, 1, ...; the numpy path's matrix product may
-    round the last bit differently (the tests compare them to 1e-6).
-    """
-    count = start.shape[0]
-    ends = np.empty(2 * count, np.int64)
-    total = np.zeros(count, reward.dtype)
-    m = np.zeros(count, np.int64)
-    row = start.copy()
-    ends[:count] = start
-    for k in range(n_max):  # one link for every anchor at a time: independent loads
-        for b in range(count):
-            if m[b] == k and (n_each.shape[0] == 0 or k < n_each[b]):
-                here = row[b]
-                after = succ[here]
-                if after != here:  # step t+k is in the episode: its reward is at row t+k
-                    total[b] += reward_powers[k] * reward[here]
-                    row[b] = after
-                    m[b] = k + 1
-    terminal = np.empty(count, np.bool_)
-    truncated = np.empty(count, np.bool_)
-    cut = np.empty(count, np.bool_)
-    discount = np.empty(count, np.float32)
-    first_step = np.empty(count, np.int64)
-    first_episode = np.empty(count, np.int64)
-    for b in range(count):
-        kind = end_kind[row[b]]
-        n = n_max if n_each.shape[0] == 0 else n_each[b]
-        ends[count + b] = row[b]
-        terminal[b] = kind == END_TERMINATED
-        truncated[b] = kind == END_TRUNCATED
-        cut[b] = m[b] < n and kind == END_NONE
-        discount[b] = 0.0 if terminal[b] else discount_powers[m[b]]
-        first_step[b] = step[start[b]]
-        first_episode[b] = episode[start[b]]
-    return ends, total, terminal, truncated, cut, discount, m, first_step, first_episode
 
 
 _WORDS_2D = [word[:, ::1] for word in (types.uint8, types.uint16, types.uint32, types.uint64)]

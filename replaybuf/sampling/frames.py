@@ -109,16 +109,23 @@ class HostStacks(NamedTuple):
 
     def take(self, view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stacks ``([B, k, *field], [B, k, *field])`` at the window starts and ends of one
-        observation view (padding as :func:`zero_padding` makes it, written only where a stack
-        has some). One fresh array holds both: with ``shift``, the two are overlapping views of
-        it (the caller's, like a sequence batch's observations and next observations)."""
-        frames = view.take(self.rows, axis=0)  # a fresh array: zeroed in place
-        if self.zero and not self.real.all():
-            frames[~self.real] = 0
-        # the count of stacks given: a field of no elements leaves -1 nothing to divide
-        windows = frames.reshape(self.rows.shape[0] // self.depth, self.depth, *frames.shape[1:])
-        if self.shift:
-            k = self.depth - self.shift
-            return windows[:, :k], windows[:, self.shift :]
-        half = windows.shape[0] // 2
-        return windows[:half], windows[half:]
+        observation view: :func:`take_stacks`."""
+        return take_stacks(view, self.rows, self.real, self.depth, self.shift, self.zero)
+
+
+def take_stacks(
+    view: np.ndarray, rows: np.ndarray, real: np.ndarray, depth: int, shift: int, zero: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """:class:`HostStacks`' two stacks of one observation view, from its fields (padding as
+    :func:`zero_padding` makes it, written only where a stack has some). One fresh array holds
+    both: with ``shift``, the two are overlapping views of it (the caller's, like a sequence
+    batch's observations and next observations)."""
+    frames = view.take(rows, axis=0)  # a fresh array: zeroed in place
+    if zero and not real.all():
+        frames[~real] = 0
+    # the count of stacks given: a field of no elements leaves -1 nothing to divide
+    windows = frames.reshape(rows.shape[0] // depth, depth, *frames.shape[1:])
+    if shift:
+        return windows[:, : depth - shift], windows[:, shift:]
+    half = windows.shape[0] // 2
+    return windows[:half], windows[half:]

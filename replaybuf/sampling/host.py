@@ -1,4 +1,4 @@
-"""The one-pass n-step path for CPU storage: draw, windows and gathers in numpy and numba."""
+"""The one-pass n-step paths for CPU storage: draw, windows and gathers in numpy and numba."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg
+from replaybuf.core import host_powers, reward_powers
 from replaybuf.episodes import HostLinks
 from replaybuf.sampling.common import keys_of, nstep_key_order
 from replaybuf.sampling.draws import draw_anchors, with_priority_keys
-from replaybuf.sampling.frames import HostStacks
+from replaybuf.sampling.frames import HostStacks, take_stacks
 from replaybuf.sampling.nstep import host_gathers
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import (
@@ -24,6 +25,7 @@ from replaybuf.sampling.windows import (
     host_rewards,
 )
 from replaybuf.storage import Key, build_tensordict
+from replaybuf.storage.tensordicts import NEW_UNSAFE
 
 
 class _HostPlan(NamedTuple):
@@ -36,6 +38,7 @@ class _HostPlan(NamedTuple):
     links: HostLinks  # the row links' host columns
     windows: Callable[..., KernelWindows]  # kernels.nstep_windows
     window_stacks: Callable[..., tuple[np.ndarray, np.ndarray, int]]  # kernels.window_stacks
+    frame_nstep: Callable[..., tuple]  # kernels.frame_nstep
     frame_stack: int | None  # the core's k
     zero_padding: bool  # the core's frame padding is "zero"
 
@@ -102,6 +105,75 @@ def _stacks(plan: _HostPlan, k: int, w: Windows, n: int) -> HostStacks:
     return HostStacks(rows, real, k + shift, plan.zero_padding, shift)
 
 
+class FrameNStep(HostNStep):
+    """:class:`HostNStep` for uniform frame-stacked buffers: the drawn anchors looked up,
+    their windows walked and their stack rows found by one compiled call
+    (:func:`replaybuf.accel.numba_kernels.frame_nstep`), then one gather per field; the same
+    batches. Draws without replacement and a random n go to ``general``, as in HostNStep.
+
+    The draw is the buffer generator's ``randint`` over the anchor set, written into a scratch
+    tensor (the same numbers, without a new tensor and its numpy view per call); the kernel
+    looks the anchors up, walks their windows and finds the stack rows, and one ``np.take``
+    per observation field gathers each window's frames once (see :class:`HostStacks`). One
+    call because a small batch's gather costs only a few times the numpy calls, conversions
+    and kernel dispatches around it.
+    """
+
+    def __init__(
+        self,
+        core: EpisodeView,
+        plan: _HostPlan,
+        generator: torch.Generator,
+        general: NStepPath,
+    ) -> None:
+        super().__init__(core, plan, generator, general)
+        # the draws' scratch (the buffer's lock keeps one call at a time)
+        self.picks = torch.empty(0, dtype=torch.long, device=_CPU)
+        self.picks_host = self.picks.numpy()
+        self.anchors: object = None  # the anchor set whose rows anchor_rows views
+        self.anchor_rows = np.empty(0, np.int64)
+        self.powers: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
+        # The batch's flat keys, built without build_tensordict's lookups (None: nested keys).
+        flat = NEW_UNSAFE is not None and all(len(key) == 1 for key in plan.keys)
+        self.names = tuple(key[0] for key in plan.keys) if flat else None
+        self.size = torch.Size([0])
+
+    def __call__(self, batch_size: int, n: NArg, gamma: float, replace: bool) -> TensorDict:
+        if not replace or isinstance(n, tuple):
+            return self.general(batch_size, n, gamma, replace)
+        plan = self.plan
+        anchors = self.core.anchors
+        if anchors is not self.anchors:
+            self.anchors, self.anchor_rows = anchors, anchors.rows.numpy()
+        if self.size[0] != batch_size:
+            self.picks = torch.empty(batch_size, dtype=torch.long, device=_CPU)
+            self.picks_host, self.size = self.picks.numpy(), torch.Size([batch_size])
+        self.picks.random_(0, anchors.count, generator=self.generator)  # = torch.randint's
+        powers = self.powers.get((gamma, n))
+        if powers is None:
+            if len(self.powers) > 16:
+                self.powers.clear()
+            dtype = plan.rewards.dtype
+            powers = self.powers[gamma, n] = (reward_powers(gamma, n, dtype), host_powers(gamma, n))
+        links, k = plan.links, plan.frame_stack
+        rows, real, shift, ints, flags, reward, discount = plan.frame_nstep(
+            self.picks_host, self.anchor_rows, n, k, links.succ, links.end_kind, links.step,
+            links.episode, plan.rewards, *powers, links.prev_row,
+        )  # fmt: skip
+        values: list[np.ndarray] = []
+        for view in plan.observations:
+            values += take_stacks(view, rows, real, k + shift, shift, plan.zero_padding)
+        start, actual_n, step, episode = ints  # rows of fresh arrays: the caller's
+        terminal, truncated, cut = flags
+        values += [view.take(start, axis=0) for view in plan.steps]
+        values += [reward, terminal, truncated, cut, discount, actual_n, step, episode]
+        tensors = [torch.from_numpy(v) for v in values]
+        if self.names is None:  # nested keys
+            return build_tensordict(plan.keys, tensors, batch_size, _CPU)
+        leaves = dict(zip(self.names, tensors, strict=True))
+        return NEW_UNSAFE(leaves, batch_size=self.size, device=_CPU)  # type: ignore[misc]
+
+
 class NStepPath(Protocol):
     """An n-step path: ``batch_size`` transitions for ``n`` and ``gamma``."""
 
@@ -139,6 +211,7 @@ def host_plan(core: EpisodeView) -> _HostPlan | None:
         host,
         core.kernels.nstep_windows,
         core.kernels.window_stacks,
+        core.kernels.frame_nstep,
         core.frame_stack,
         core.frame_padding == "zero",
     )

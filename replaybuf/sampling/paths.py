@@ -9,6 +9,8 @@ reference that each fast path is tested against (the same batches for the same s
     n-step        HostNStep      CPU storage delivering on the CPU, uniform (or prioritized
                                  with frame stacks), numba kernels: draw, windows and
                                  gathers in one pass, each window's k + n frames once
+                  FrameNStep     HostNStep for uniform frame stacks: one compiled call
+                                 draws, windows and finds the stack rows, then the gathers
                   DeviceNStep    storage off the CPU, uniform: a CUDA graph's replay, else
                                  device draws looked up inside the fused kernel
                   GeneralNStep   everything else: prioritized, no replacement, random n ...
@@ -33,7 +35,7 @@ from replaybuf.args import NArg
 from replaybuf.sampling.device_draws import DeviceDraws
 from replaybuf.sampling.draws import draw_anchors, draw_sequences, with_priority_keys
 from replaybuf.sampling.graphed import graphed_nstep, graphed_sequences
-from replaybuf.sampling.host import HostNStep, NStepPath, host_plan
+from replaybuf.sampling.host import FrameNStep, HostNStep, NStepPath, host_plan
 from replaybuf.sampling.nstep import NStepBuilder, host_views_apply
 from replaybuf.sampling.ragged import ragged_keys_of
 from replaybuf.sampling.sequences import sequence_batch
@@ -173,6 +175,7 @@ def choose(
         # Prioritized frame stacks too: the general path gathers 2k frames per window.
         plan = host_plan(core)
         if plan is not None:
-            n_step = HostNStep(core, plan, generator, general)
+            one_call = uniform and core.frame_stack is not None
+            n_step = (FrameNStep if one_call else HostNStep)(core, plan, generator, general)
     token = derived[_KEY] = object()
     return Paths(n_step, sequences, builder, token)
