@@ -661,19 +661,19 @@ def test_a_repeated_batch_across_a_checkpoint_and_its_restore(tmp_path, mirror):
 
 @pytest.mark.parametrize(
     ("observation_floats", "rows"),
-    [(4, 4096), (60, 2080), (256, 512), (4096, 512)],  # 28 B, 252 B, 1,036 B, 16 KiB rows
+    [(4, 16384), (60, 8322), (256, 2024), (4096, 512)],  # 28 B, 252 B, 1,036 B, 16 KiB rows
 )
-def test_the_staging_buffer_holds_512_rows_or_512_kib_of_small_rows(observation_floats, rows):
+def test_the_staging_buffer_holds_512_rows_or_2_mib_of_small_rows(observation_floats, rows):
     """Staged rows go to storage in writes of 512 rows, or of as many small rows as fill
-    512 KiB (at most 4,096): fewer writes and packs for small rows, no more memory than
-    before for large ones."""
+    2 MiB (at most 16,384): fewer writes and packs for small rows (several batches of a
+    vector env of thousands), no more memory than before for large ones."""
     with SyncEpisodeReplayBuffer(64, 8, storage="tensor") as buf:
         episode = buf.start_episode()
         observation = np.zeros(observation_floats, np.float32)
         buf.append_observation_action_reward(episode, observation, 0, 1.0)
         row_bytes = buf._core.slots.spec.row_bytes
         assert row_bytes == 4 * observation_floats + 8 + 4  # observation, int64 action, reward
-        assert buf._core._stager.capacity == rows == max(512, min(4096, 2**19 // row_bytes))
+        assert buf._core._stager.capacity == rows == max(512, min(16384, 2**21 // row_bytes))
 
 
 @pytest.mark.parametrize("mirror", [False, True])

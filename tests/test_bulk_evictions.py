@@ -84,6 +84,33 @@ def test_vector_env_cycles_agree_with_one_by_one(envs):
     assert bufs[0].stats()["evicted_episodes"] > 0
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_evicted_rows_are_handed_out_in_storage_order(batched):
+    """The rows one eviction frees go out lowest first, so a vector env's batch after it gets
+    runs of neighbouring rows rather than one row of each evicted episode in turn."""
+    envs, length = 8, 4
+    buf = SyncEpisodeReplayBuffer(envs * length * 3, 10 * envs, storage="tensor", seed=0)
+    buf._core.batched = batched
+    own = buf.start_episodes(envs)
+    checked = 0
+    for _ in range(6):
+        for t in range(length):
+            free = len(buf._core.free)
+            evicted = buf.stats()["evicted_episodes"]
+            buf.append_batch(own, *batch_of([step(e, t) for e in own]))
+            rows = [buf._core.episodes[e].rows[-1] for e in own]
+            if buf.stats()["evicted_episodes"] > evicted:
+                # The eviction's rows went on top of the free stack and were popped first.
+                fresh = rows[: len(buf._core.free) - free + envs]
+                assert fresh == sorted(fresh)
+                checked += len(fresh) > 1
+        buf.end_episodes(own, "truncated", torch.stack([final_obs(e, length) for e in own]))
+        own = buf.start_episodes(envs)
+    assert checked > 0
+    free = list(buf._core.free)
+    assert free == sorted(free, reverse=True)  # popped from the end: lowest first
+
+
 def test_refused_flush_puts_the_victims_heap_entries_back():
     """make_room takes its victims' entries off the finished heap; when the flush before
     freeing them raises, they go back and nothing is evicted."""

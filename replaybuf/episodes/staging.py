@@ -31,10 +31,12 @@ if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
 # Staged rows written in one storage call (a flush): _FLUSH_ROWS, or as many as fill
-# _FLUSH_BYTES for small rows (up to 8x): each flush has a fixed cost on top of its rows,
-# which larger flushes of small rows spread thinner.
+# _FLUSH_BYTES for small rows (up to _FLUSH_SCALE times as many): each flush has a fixed cost
+# on top of its rows, which larger flushes of small rows spread thinner (a vector env of
+# thousands of envs fills a few of its batches' worth per flush).
 _FLUSH_ROWS = 512
-_FLUSH_BYTES = 1 << 19
+_FLUSH_BYTES = 1 << 21
+_FLUSH_SCALE = 32
 
 
 def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, Any]) -> None:
@@ -46,7 +48,7 @@ def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, Any]) -> None:
         assert spec is not None  # fixed by the first write, before anything is staged
         fixed = spec.fixed
         row_bytes = max(fixed.row_bytes, 1)
-        size = max(_FLUSH_ROWS, min(8 * _FLUSH_ROWS, _FLUSH_BYTES // row_bytes))
+        size = max(_FLUSH_ROWS, min(_FLUSH_SCALE * _FLUSH_ROWS, _FLUSH_BYTES // row_bytes))
         core._stager = RowStager(fixed, size)
         # The per-step fast path writes fixed fields only: a spec with ragged ones has none.
         core._plan = None if spec.ragged_keys else RowPlan.of(fixed, core._stager.arrays)
