@@ -411,5 +411,7 @@ async def test_bulk_calls_deal_episodes_round_robin_and_end_them_per_shard(ray_c
         await check_bulk_writes(buf, 1)
         with pytest.raises(ArgumentError, match="statuses"):  # checked before any round trip
             await buf.end_episodes([5, 6], ["terminated"], torch.zeros(2, 4))
+        with pytest.raises(EpisodeStateError, match=r"episode_ids \[3001\] \(shard 1 of 3\)"):
+            await buf.end_episodes([3001], "terminated", torch.zeros(1, 4))
     finally:
         await buf.close()

@@ -161,6 +161,17 @@ class ShardedBase:
         except EpisodeStateError as error:
             raise episode_error(error, episode_id, shard, self.num_shards) from error
 
+    async def _on_rows(self, shard: int, ids: list[Any], method: str, *args: Any) -> None:
+        """``method(*args)`` on ``shard`` for the episodes ``ids`` (global) of a vector call;
+        an unknown episode's error names those ids and the shard."""
+        try:
+            await self._on(shard, method, *args)
+        except EpisodeStateError as error:
+            raise EpisodeStateError(
+                f"episode_ids {ids} (shard {shard} of {self.num_shards}): {error}",
+                argument="episode_ids",
+            ) from error
+
     # ----------------------------------------------------------------- writes
     async def start_episode(self, agent_id: str = "default") -> int:
         """Start an episode on the next shard in this handle's round-robin; its global id."""
@@ -200,14 +211,7 @@ class ShardedBase:
         async def part(shard: int, rows: list[int]) -> None:
             local = [places[r][1] for r in rows]
             chunk = values if len(groups) == 1 else tuple(take_rows(v, rows) for v in values)
-            try:
-                await self._on(shard, "append_batch", local, *chunk)
-            except EpisodeStateError as error:
-                raise EpisodeStateError(
-                    f"episode_ids {[ids[r] for r in rows]} (shard {shard} of "
-                    f"{self.num_shards}): {error}",
-                    argument="episode_ids",
-                ) from error
+            await self._on_rows(shard, [ids[r] for r in rows], "append_batch", local, *chunk)
 
         await asyncio.gather(*(part(shard, rows) for shard, rows in groups.items()))
 
@@ -273,14 +277,9 @@ class ShardedBase:
             local = [places[r][1] for r in rows]
             status = [statuses[r] for r in rows] if per_row else statuses
             finals = final_observations if len(groups) == 1 else take_rows(final_observations, rows)
-            try:
-                await self._on(shard, "end_episodes", local, status, finals)
-            except EpisodeStateError as error:
-                raise EpisodeStateError(
-                    f"episode_ids {[ids[r] for r in rows]} (shard {shard} of "
-                    f"{self.num_shards}): {error}",
-                    argument="episode_ids",
-                ) from error
+            await self._on_rows(
+                shard, [ids[r] for r in rows], "end_episodes", local, status, finals
+            )
 
         await asyncio.gather(*(part(shard, rows) for shard, rows in groups.items()))
 
