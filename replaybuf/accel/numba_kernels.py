@@ -11,8 +11,8 @@ descends one mass at a time, and the numpy n-step path makes ~25 numpy calls. Th
 take one step for all the walks at once, so their loads are independent and overlap, and do all
 the steps in one call.
 
-The frame-stack kernels live in :mod:`replaybuf.accel.numba_frames`, the n-step window
-kernels in :mod:`replaybuf.accel.numba_nstep`; both are members here too.
+The frame-stack and n-step window kernels live in :mod:`replaybuf.accel.numba_nstep` and are
+members here too.
 Callers load this module through :mod:`replaybuf.accel.numba_loader`, and run their numpy paths
 where it does not load. The kernels compute what those paths compute, with the same float
 operations in the same order (the tests check them against each other; the one exception is
@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from replaybuf.accel.numba_frames import stack_rows as stack_rows
-from replaybuf.accel.numba_frames import window_stacks as window_stacks
 from replaybuf.accel.numba_nstep import END_NONE
 from replaybuf.accel.numba_nstep import frame_nstep as frame_nstep
 from replaybuf.accel.numba_nstep import nstep_windows as nstep_windows
+from replaybuf.accel.numba_nstep import stack_rows as stack_rows
+from replaybuf.accel.numba_nstep import window_stacks as window_stacks
 
 _F64 = types.float64[::1]
 _F64_2D = types.float64[:, ::1]

@@ -1,10 +1,9 @@
-"""Compiled CPU kernels for n-step windows (numba; the ``fast`` extra): a batch's windows over
-CPU episode storage, and a uniform frame-stacked batch's draw lookup, windows and stack rows
-in one call. Loaded with, and
+"""Compiled CPU kernels for n-step windows and frame stacks (numba; the ``fast`` extra): a
+batch's windows over CPU episode storage, the rows of k-frame stacks, and a uniform
+frame-stacked batch's draw lookup, windows and stack rows in one call. Loaded with, and
 re-exported by, :mod:`replaybuf.accel.numba_kernels` (see there), whose callers reach them as
-its members. :func:`frame_nstep` calls :func:`nstep_windows` and keeps its own stack loop (the
-one of :func:`replaybuf.accel.numba_frames.stack_rows`) so that numba's cache, which watches
-this file only, never keeps a stale copy of a kernel it calls."""
+its members. The kernels that :func:`frame_nstep` calls live in this file with it: numba's
+cache watches a kernel's own file only, so a callee elsewhere could leave a stale copy."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ _I8 = types.int8[::1]
 _BOOL = types.boolean[::1]
 _I64_2D = types.int64[:, ::1]
 _BOOL_2D = types.boolean[:, ::1]
+_I64_IN = types.Array(types.int64, 1, "C", readonly=True)  # read only: writable ones convert
 END_NONE, END_TERMINATED, END_TRUNCATED = 0, 1, 2  # replaybuf.core.index's end kinds
 
 
@@ -94,6 +94,54 @@ def nstep_windows(
     return ends, total, terminal, truncated, cut, discount, m, first_step, first_episode
 
 
+@njit(types.Tuple((_I64, _BOOL))(_I64_IN, types.int64, _I64_IN), cache=True, boundscheck=False)
+def stack_rows(rows: np.ndarray, k: int, prev_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`replaybuf.core.index.stack_rows` of ``rows [N]`` (k >= 1), flattened: ``stacked``
+    and ``real`` ``[N * k]``, row i's stack at ``[i * k, (i + 1) * k)``, oldest first. The
+    numpy version makes ~4 calls per step back; this is one loop, one step back for every row
+    at a time (independent loads)."""
+    count = rows.shape[0]
+    stacked = np.empty(count * k, np.int64)
+    real = np.empty(count * k, np.bool_)
+    for i in range(count):
+        stacked[i * k + k - 1] = rows[i]
+        real[i * k + k - 1] = True
+    for j in range(1, k):  # position k - 1 - j: j steps back, or the episode's first row
+        for i in range(count):
+            at = i * k + k - 1 - j
+            here = stacked[at + 1]
+            before = prev_row[here]
+            real[at] = before >= 0
+            stacked[at] = before if before >= 0 else here
+    return stacked, real
+
+
+@njit(
+    types.Tuple((_I64, _BOOL, types.int64))(_I64_IN, _I64_IN, types.int64, types.int64, _I64_IN),
+    cache=True,
+    boundscheck=False,
+)
+def window_stacks(
+    ends: np.ndarray, actual_n: np.ndarray, n: int, k: int, prev_row: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The frame-stack rows of a batch's n-step windows (``ends [2B]`` as
+    :func:`nstep_windows` gives them, ``actual_n [B]``), and ``shift``. Where every window is
+    ``n < k`` steps long, :func:`stack_rows` of the windows' last rows ``k + n`` deep
+    (``[B * (k + n)]``: each window's frames once, its start's stack the first k, its end's the
+    last k) and ``shift`` n; else :func:`stack_rows` of ``ends`` (``[2B * k]``) and 0."""
+    count = actual_n.shape[0]
+    once = n < k
+    for b in range(count):
+        if actual_n[b] != n:
+            once = False
+            break
+    if once:
+        rows, real = stack_rows(ends[count:], k + n, prev_row)
+        return rows, real, n
+    rows, real = stack_rows(ends, k, prev_row)
+    return rows, real, 0
+
+
 def _frame_signature(reward: types.Float) -> Signature:
     """(rows, real, shift, [4, B] int64s, [3, B] flags, return, discount) of a draw."""
     values = (_I64_2D, _BOOL_2D, reward[::1], _F32)
@@ -125,7 +173,7 @@ def frame_nstep(
     """The windows of a uniform frame-stacked n-step batch, anchors ``anchor_rows[picks]``
     (``[B]``): their :func:`nstep_windows` (every one walking ``n``) and the rows of the k-frame
     stacks at both window ends, laid out as
-    :func:`replaybuf.accel.numba_frames.window_stacks` lays them out: where every window is
+    :func:`window_stacks` lays them out: where every window is
     ``n < k`` steps long, one stack ``k + n`` deep at each window's last row (``shift`` n: each
     frame once), else the ``2B`` stacks of both ends, ``k`` deep (``shift`` 0).
 
@@ -143,27 +191,8 @@ def frame_nstep(
         start, np.empty(0, np.int64), n, succ, end_kind, step, episode, reward,
         reward_powers, discount_powers,
     )  # fmt: skip
-    ends, actual_n = windows[0], windows[6]
-    shift = n if n < k else 0
-    for b in range(count):
-        if actual_n[b] != n:
-            shift = 0
-            break
-    depth = k + shift
-    tops = ends[count:] if shift else ends
-    stacks = tops.shape[0]
-    rows = np.empty(stacks * depth, np.int64)
-    real = np.empty(stacks * depth, np.bool_)
-    for i in range(stacks):
-        rows[i * depth + depth - 1] = tops[i]
-        real[i * depth + depth - 1] = True
-    for j in range(1, depth):  # j steps back, or the episode's first row: one for all at a time
-        for i in range(stacks):
-            at = i * depth + depth - 1 - j
-            here = rows[at + 1]
-            before = prev_row[here]
-            real[at] = before >= 0
-            rows[at] = before if before >= 0 else here
+    actual_n = windows[6]
+    rows, real, shift = window_stacks(windows[0], actual_n, n, k, prev_row)
     ints = np.empty((4, count), np.int64)
     flags = np.empty((3, count), np.bool_)
     for b in range(count):
