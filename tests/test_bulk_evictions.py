@@ -10,12 +10,13 @@ from unittest import mock
 
 import pytest
 import torch
-from episode_helpers import batch_of, final_obs, step
+from episode_helpers import action, batch_of, final_obs, obs, step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bulk_episodes import Driver, apply, ops, snapshot
 
 from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room
 from replaybuf.episodes.finished import FinishedOrder
 
@@ -163,3 +164,53 @@ def test_finished_order_pops_as_a_heap_does(program):
     while heap:
         assert order.pop() == heapq.heappop(heap)
     assert not order
+
+
+def _vector_env_cycle(buf: SyncEpisodeReplayBuffer, own: list[int], length: int) -> list[int]:
+    """``length`` lockstep steps of ``own``, their bulk end, and the next episodes' bulk start."""
+    for t in range(length):
+        buf.append_batch(own, *batch_of([step(e, t) for e in own]))
+    buf.end_episodes(own, "truncated", torch.stack([final_obs(e, length) for e in own]))
+    return buf.start_episodes(len(own))
+
+
+def test_a_vector_env_reuses_evicted_records_and_reads_its_episodes_back():
+    """Once evictions keep pace with starts, bulk starts make no new episode records (the
+    garbage collector gets nothing new to track), and every episode still reads back as
+    written."""
+    envs, length = 12, 5
+    buf = SyncEpisodeReplayBuffer(envs * length * 2, None, storage="tensor", seed=0)
+    own = buf.start_episodes(envs)
+    for _ in range(4):  # until the buffer is full and evicts every cycle
+        own = _vector_env_cycle(buf, own, length)
+    with mock.patch("replaybuf.episodes.spares.Episode", wraps=Episode) as made:
+        for _ in range(6):
+            ended = own
+            own = _vector_env_cycle(buf, own, length)
+    assert made.call_count == 0
+    assert buf.stats()["evicted_episodes"] >= 8 * envs
+    for e in ended:
+        episode = buf.get_episode(e)
+        written = [*(obs(e, t) for t in range(length)), final_obs(e, length)]
+        assert episode["observation"].tolist() == [o.tolist() for o in written]
+        assert episode["action"].tolist() == [action(e, t).item() for t in range(length)]
+    assert [buf._core.episodes[e].steps for e in own] == [0] * envs
+    buf.close()
+
+
+def test_an_evicted_record_held_elsewhere_is_never_reused():
+    """A record something else still references (a snapshot, a caller) is left as it was
+    when evicted, not emptied and handed to a new episode."""
+    envs, length = 6, 3
+    buf = SyncEpisodeReplayBuffer(envs * length * 2, None, storage="tensor", seed=0)
+    own = buf.start_episodes(envs)
+    own = _vector_env_cycle(buf, own, length)
+    held = buf._core.episodes[own[0] - envs]  # an episode of the first cycle, finished
+    before = (held.episode_id, list(held.own), held.final_row, held.end_kind)
+    for _ in range(5):
+        own = _vector_env_cycle(buf, own, length)
+    assert held.episode_id not in buf._core.episodes  # evicted ...
+    assert (held.episode_id, list(held.own), held.final_row, held.end_kind) == before
+    records = [*buf._core.episodes.values(), *buf._core.spares.records]
+    assert all(record is not held for record in records)  # ... and never handed out again
+    buf.close()

@@ -22,7 +22,7 @@ from replaybuf.episodes.staging import drop_run, pack_staged
 if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
-_ROWS, _EPISODE_ID, _LAST = attrgetter("rows"), attrgetter("episode_id"), itemgetter(-1)
+_OWN, _EPISODE_ID, _LAST = attrgetter("own"), attrgetter("episode_id"), itemgetter(-1)
 
 
 def assign_row(core: EpisodeCore, episode: Episode) -> int:
@@ -68,7 +68,7 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
         pack_staged(core)  # staged bookkeeping stays in staging order
         packed = core._packed
         # Lists from C-level maps, then array.fromlist: array("q", map(...)) is slower.
-        owns = list(map(_ROWS, episodes))
+        owns = list(map(_OWN, episodes))  # settled: no episode is in a run after drop_run
         steps = array("q", list(map(len, owns)))
         ids = array("q", list(map(_EPISODE_ID, episodes)))
         packed.add_rows(rows, ids, steps, core.allocations)

@@ -179,7 +179,7 @@ def start_many(core: EpisodeCore, count: int, agent_id: str) -> list[int]:
     first, seq = core.next_id, core.next_seq
     ids = range(first, first + count)
     # What core.register does for each: new episodes are in progress, so in both tables.
-    new = list(map(Episode, ids, repeat(agent_id, count), range(seq, seq + count)))
+    new = core.spares.episodes(ids, agent_id, seq)
     core.episodes.update(zip(ids, new, strict=True))
     core.running.update(zip(ids, new, strict=True))
     core.next_id += count

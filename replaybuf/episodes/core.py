@@ -52,6 +52,7 @@ from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room, remove_episode
 from replaybuf.episodes.finished import FinishedOrder
 from replaybuf.episodes.links import RowLinks, check_bookkeeping_space
+from replaybuf.episodes.spares import Spares
 from replaybuf.episodes.staging import (
     admit,
     apply_packed,
@@ -123,6 +124,7 @@ class EpisodeCore:
         # progress ends or goes.
         self._run: BatchRun | None = None
         self.finished = FinishedOrder()  # (seq, episode_id) of finished episodes
+        self.spares = Spares()  # evicted records that bulk starts reuse
         self.next_id = 0
         self.next_seq = 0
         self.steps = 0
@@ -240,7 +242,9 @@ class EpisodeCore:
         """Start a new episode (evicting to stay within ``max_episodes``); returns its id."""
         make_room(self, 0, 0, 1, set())
         episode_id = self.next_id
-        self.register(Episode(episode_id, agent_id, self.next_seq))
+        self.register(
+            self.spares.episodes(range(episode_id, episode_id + 1), agent_id, self.next_seq)[0]
+        )
         self.next_id += 1
         self.next_seq += 1
         return episode_id

@@ -201,11 +201,13 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
     its writes and bookkeeping reach in order rather than one cache line apart."""
     if len(episodes) == 1 or not core.batched:
         free, quarantine = len(core.free), len(core.quarantine)
-        for episode in episodes:
-            remove_episode(core, episode)
+        # (a map, not a loop: no loop variable left holding the last one, see Spares.keep)
+        deque(map(remove_episode, repeat(core), episodes), maxlen=0)
         if len(episodes) > 1:  # one group in storage order, as the batched pass frees them
             core.free[free:] = array("q", sorted(core.free[free:], reverse=True))
             core.quarantine[quarantine:] = sorted(core.quarantine[quarantine:], reverse=True)
+        if core.batched:
+            core.spares.keep(episodes)
         return
     # Each episode's rows, then its final row: C-level maps (no per-episode bytecode).
     owns = map(_ROWS if any(map(_RUN, episodes)) else _OWN, episodes)  # settled
@@ -247,6 +249,7 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
     core.valid_steps -= valid
     if went:
         drop_run(core)
+    core.spares.keep(episodes)
 
 
 def remove_episode(core: EpisodeCore, episode: Episode) -> None:
