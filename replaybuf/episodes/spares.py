@@ -18,7 +18,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
-from operator import attrgetter, delitem
+from operator import attrgetter, delitem, is_
 
 from replaybuf.core import END_NONE
 from replaybuf.episodes.episode import Episode
@@ -29,8 +29,6 @@ _COUNT = getattr(sys, "getrefcount", None)  # CPython's; elsewhere nothing is ke
 # What _COUNT reads, through map, for a record a list alone holds (the list, map's own).
 _ALONE = None if _COUNT is None else next(map(_COUNT, [object()]))
 _OWN = attrgetter("own")
-_RARE = attrgetter("final_observation", "final_ragged", "run")
-_UNSET = (None, None, None)
 _ALL = slice(None)
 
 
@@ -58,8 +56,8 @@ class Spares:
         _set(alone, "final_row", repeat(None))
         _set(alone, "end_kind", repeat(END_NONE))
         _set(alone, "end_flush", repeat(-1))
-        if any(rare != _UNSET for rare in map(_RARE, alone)):
-            for name in ("final_observation", "final_ragged", "run"):
+        for name in ("final_observation", "final_ragged", "run"):  # mostly None already
+            if not all(map(is_, map(attrgetter(name), alone), repeat(None))):
                 _set(alone, name, repeat(None))
         self.records += alone[: LIMIT - len(self.records)]
 
