@@ -29,6 +29,8 @@ def host_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
 def positive_int(value: Any, name: str) -> int:
     """``value`` as an int in [1, 2**63), else :class:`ArgumentTypeError` /
     :class:`ArgumentError` naming ``name``."""
+    if type(value) is int and 0 < value <= INT64_MAX:  # the common case, checked in one go
+        return value
     return int_at_least(value, name, 1)
 
 
@@ -139,6 +141,8 @@ def check_n(n: Any, longest: int) -> NArg:
     it: the windows are the same, and the cost no longer grows with n. A pair is kept as
     given (clamping it would change the distribution n is drawn from); the n-step path
     clamps each drawn n instead, and sizes its windows by ``min(high, longest)``."""
+    if type(n) is int and 0 < n <= INT64_MAX:  # the common case, checked in one go
+        return min(n, longest)
     if isinstance(n, tuple | list):
         if len(n) != 2:
             raise ArgumentError(f"n must be an int or a (low, high) pair, got {n!r}", argument="n")
@@ -152,6 +156,8 @@ def check_n(n: Any, longest: int) -> NArg:
 
 def check_gamma(gamma: Any) -> float:
     """A discount in (0, 1], as a float."""
+    if type(gamma) is float and 0.0 < gamma <= 1.0:  # the common case (NaN fails it)
+        return gamma
     if isinstance(gamma, bool) or not isinstance(gamma, int | float | np.integer | np.floating):
         raise ArgumentTypeError(f"gamma must be a float in (0, 1], got {gamma!r}", argument="gamma")
     if not 0.0 < float(gamma) <= 1.0:

@@ -28,6 +28,7 @@ from episode_helpers import (
 from episode_program import Program, reference_for
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from replaybuf import (
     CorruptCheckpointError,
@@ -315,6 +316,15 @@ def test_one_call_batches_are_the_callers_across_calls(make):
         assert (batch == before).all()
     for key in got[0].keys(include_nested=True, leaves_only=True):
         assert not shares_memory(got[0][key], got[2][key]), key
+    # each batch as TensorDict's unchecked constructor builds it, with a leaf dict of its own
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if unsafe is not None:
+        for batch in got:
+            built = unsafe(dict(batch.items()), batch_size=batch.batch_size, device="cpu")
+            assert vars(batch).keys() == vars(built).keys()
+            assert batch.device == torch.device("cpu")
+            assert batch.batch_size == built.batch_size
+        assert got[0]._tensordict is not got[2]._tensordict
 
 
 def test_batches_are_the_callers_after_later_writes(make):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from replaybuf.sampling.windows import (
     host_rewards,
 )
 from replaybuf.storage import Key, build_tensordict
-from replaybuf.storage.tensordicts import NEW_UNSAFE
+from replaybuf.storage.tensordicts import NEW_UNSAFE, shared_attributes
 
 
 class _HostPlan(NamedTuple):
@@ -137,6 +137,7 @@ class FrameNStep(HostNStep):
         flat = NEW_UNSAFE is not None and all(len(key) == 1 for key in plan.keys)
         self.names = tuple(key[0] for key in plan.keys) if flat else None
         self.size = torch.Size([0])
+        self.attributes: dict[str, Any] | None = None  # shared_attributes(self.size, _CPU)
 
     def __call__(self, batch_size: int, n: NArg, gamma: float, replace: bool) -> TensorDict:
         if not replace or isinstance(n, tuple):
@@ -148,6 +149,7 @@ class FrameNStep(HostNStep):
         if self.size[0] != batch_size:
             self.picks = torch.empty(batch_size, dtype=torch.long, device=_CPU)
             self.picks_host, self.size = self.picks.numpy(), torch.Size([batch_size])
+            self.attributes = shared_attributes(self.size, _CPU)
         self.picks.random_(0, anchors.count, generator=self.generator)  # = torch.randint's
         powers = self.powers.get((gamma, n))
         if powers is None:
@@ -160,18 +162,27 @@ class FrameNStep(HostNStep):
             self.picks_host, self.anchor_rows, n, k, links.succ, links.end_kind, links.step,
             links.episode, plan.rewards, *powers, links.prev_row,
         )  # fmt: skip
+        start, actual_n, step, episode = ints  # rows of fresh arrays: the caller's
+        terminal, truncated, cut = flags
+        # The step fields' small gathers before the frames': the frames' copy evicts the caches
+        # that these would otherwise find the code and columns in.
+        steps = [view.take(start, axis=0) for view in plan.steps]
         values: list[np.ndarray] = []
         for view in plan.observations:
             values += take_stacks(view, rows, real, k + shift, shift, plan.zero_padding)
-        start, actual_n, step, episode = ints  # rows of fresh arrays: the caller's
-        terminal, truncated, cut = flags
-        values += [view.take(start, axis=0) for view in plan.steps]
+        values += steps
         values += [reward, terminal, truncated, cut, discount, actual_n, step, episode]
         tensors = [torch.from_numpy(v) for v in values]
         if self.names is None:  # nested keys
             return build_tensordict(plan.keys, tensors, batch_size, _CPU)
         leaves = dict(zip(self.names, tensors, strict=True))
-        return NEW_UNSAFE(leaves, batch_size=self.size, device=_CPU)  # type: ignore[misc]
+        if self.attributes is None:
+            return NEW_UNSAFE(leaves, batch_size=self.size, device=_CPU)  # type: ignore[misc]
+        # _new_unsafe's batch (see shared_attributes), without its per-call conversions
+        batch = _new_instance(TensorDict)
+        batch.__dict__.update(self.attributes)
+        batch._tensordict = leaves
+        return batch
 
 
 class NStepPath(Protocol):
@@ -181,6 +192,7 @@ class NStepPath(Protocol):
 
 
 _CPU = torch.device("cpu")
+_new_instance = TensorDict.__new__  # a bare instance, for shared_attributes' batches
 
 
 def host_plan(core: EpisodeView) -> _HostPlan | None:

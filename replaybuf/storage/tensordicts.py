@@ -36,6 +36,32 @@ def build_tensordict(
     return _assemble(nest(dict(zip(keys, values, strict=True))), size, device)
 
 
+def shared_attributes(batch_size: torch.Size, device: torch.device) -> dict[str, Any] | None:
+    """The attributes ``TensorDict._new_unsafe`` gives a flat TensorDict of ``batch_size`` on
+    ``device``, but its leaves (``_tensordict``), or None where they cannot be shared.
+
+    A batch built from them (a new instance, these attributes, its own leaf dict) is the one
+    ``_new_unsafe`` builds, without its per-call device conversion and leaf loop: the path of a
+    hot sampler, built the same way for every batch. They are read off a batch built by
+    ``_new_unsafe`` itself, so they follow whatever this tensordict version sets; None where the
+    leaves are not a plain dict or an attribute holds anything mutable (a shared one would tie
+    the batches together)."""
+    if NEW_UNSAFE is None:
+        return None
+    probe = NEW_UNSAFE({}, batch_size=batch_size, device=device)
+    attributes = dict(getattr(probe, "__dict__", {}))
+    leaves = attributes.pop("_tensordict", None)
+    if type(leaves) is not dict or leaves:
+        return None
+    if not all(isinstance(value, _IMMUTABLE) for value in attributes.values()):
+        return None
+    return attributes
+
+
+# The attribute values a batch may share with every other (see shared_attributes).
+_IMMUTABLE = (type(None), bool, int, float, str, torch.Size, torch.device)
+
+
 def tensordict_of(leaves: dict[Key, torch.Tensor]) -> TensorDict:
     """Flat ``[rows, ...]`` leaves as a (nested) TensorDict of batch size ``[rows]``."""
     rows = next(iter(leaves.values())).shape[0]
