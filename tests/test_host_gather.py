@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from replaybuf import ReplayBuffer
 from replaybuf.storage import UniformBatch, uniform_batch
@@ -146,3 +147,25 @@ def test_uniform_batch_is_declined_where_the_host_path_does_not_apply():
         buf.add_batch({"a": {"b": torch.ones(4, 2)}, "c": torch.zeros(4)})
         assert uniform_batch(buf._slots) is None  # nested: the general path builds the nesting
         assert buf.sample_batch(3)["a", "b"].shape == (3, 2)
+
+
+def test_uniform_batches_are_new_unsafe_batches_of_their_own():
+    """The fast path's batches carry the attributes ``_new_unsafe`` gives a batch of their
+    size, each its own leaf dict: one batch changed leaves every other as it was."""
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if unsafe is None:
+        pytest.skip("this tensordict has no _new_unsafe")
+    with ReplayBuffer("cpu", "cpu", 10, storage="tensor", seed=0) as buf:
+        buf.add_batch({"x": torch.arange(10.0), "y": torch.ones(10, 2)})
+        got = [buf.sample_batch(size) for size in (4, 4, 3, 4)]
+        for batch in got:
+            built = unsafe(dict(batch.items()), batch_size=batch.batch_size, device="cpu")
+            assert {k: v for k, v in vars(batch).items() if k != "_tensordict"} == {
+                k: v for k, v in vars(built).items() if k != "_tensordict"
+            }
+        assert [batch.batch_size for batch in got] == [torch.Size([n]) for n in (4, 4, 3, 4)]
+        got[0]["z"] = torch.zeros(4)
+        got[0].batch_size = torch.Size([])
+        assert set(got[1].keys()) == set(got[3].keys()) == {"x", "y"}
+        assert got[1].batch_size == got[3].batch_size == torch.Size([4])
+        assert got[1]["x"].device == torch.device("cpu")

@@ -25,7 +25,7 @@ from replaybuf.sampling.windows import (
     host_rewards,
 )
 from replaybuf.storage import Key, build_tensordict
-from replaybuf.storage.tensordicts import NEW_UNSAFE, shared_attributes
+from replaybuf.storage.tensordicts import NEW_UNSAFE, shared_attributes, with_attributes
 
 
 class _HostPlan(NamedTuple):
@@ -178,11 +178,7 @@ class FrameNStep(HostNStep):
         leaves = dict(zip(self.names, tensors, strict=True))
         if self.attributes is None:
             return NEW_UNSAFE(leaves, batch_size=self.size, device=_CPU)  # type: ignore[misc]
-        # _new_unsafe's batch (see shared_attributes), without its per-call conversions
-        batch = _new_instance(TensorDict)
-        batch.__dict__.update(self.attributes)
-        batch._tensordict = leaves
-        return batch
+        return with_attributes(leaves, self.attributes)  # _new_unsafe's, without its checks
 
 
 class NStepPath(Protocol):
@@ -192,7 +188,6 @@ class NStepPath(Protocol):
 
 
 _CPU = torch.device("cpu")
-_new_instance = TensorDict.__new__  # a bare instance, for shared_attributes' batches
 
 
 def host_plan(core: EpisodeView) -> _HostPlan | None:

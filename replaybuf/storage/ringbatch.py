@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.storage.slots import SlotStorage
-from replaybuf.storage.tensordicts import NEW_UNSAFE
+from replaybuf.storage.tensordicts import NEW_UNSAFE, shared_attributes, with_attributes
 
 _KEY = "storage.ringbatch"  # its entry in SlotStorage.derived
 _CPU = torch.device("cpu")
@@ -34,12 +34,19 @@ class UniformBatch:
         self.new = new  # tensordict's unchecked constructor
         # Whether the batch's device may be set as _new_unsafe sets it (see _device_settable).
         self.set_device = _device_settable(new)
+        # The last batch size's attributes for with_attributes (None: build through ``new``).
+        self.size = -1
+        self.attributes: dict[str, Any] | None = None
 
     def __call__(self, size: int, batch_size: int, generator: torch.Generator) -> TensorDict:
         slots = torch.randint(0, size, (batch_size,), generator=generator, device=_CPU)
         at = slots.numpy()
         from_numpy = torch.from_numpy
         source = {name: from_numpy(view.take(at, axis=0)) for name, view in self.fields}
+        if batch_size != self.size:
+            self.size, self.attributes = batch_size, shared_attributes(slots.shape, _CPU)
+        if self.attributes is not None:
+            return with_attributes(source, self.attributes)
         if not self.set_device:
             return self.new(source, batch_size=slots.shape, device=_CPU)
         batch = self.new(source, batch_size=slots.shape, device=None)

@@ -60,6 +60,16 @@ def shared_attributes(batch_size: torch.Size, device: torch.device) -> dict[str,
 
 # The attribute values a batch may share with every other (see shared_attributes).
 _IMMUTABLE = (type(None), bool, int, float, str, torch.Size, torch.device)
+_NEW_INSTANCE = TensorDict.__new__  # a bare instance, for batches of shared attributes
+
+
+def with_attributes(leaves: dict[str, torch.Tensor], attributes: dict[str, Any]) -> TensorDict:
+    """The flat TensorDict of ``leaves`` (its own dict from now on) that ``_new_unsafe``
+    builds, given the ``attributes`` :func:`shared_attributes` read for its size and device."""
+    batch = _NEW_INSTANCE(TensorDict)
+    batch.__dict__.update(attributes)
+    batch._tensordict = leaves
+    return batch
 
 
 def tensordict_of(leaves: dict[Key, torch.Tensor]) -> TensorDict:
