@@ -5,6 +5,7 @@ episode layouts, checkpoint pins included; and a refused eviction leaves everyth
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from unittest import mock
 
@@ -19,6 +20,7 @@ from replaybuf import SyncEpisodeReplayBuffer
 from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room
 from replaybuf.episodes.finished import FinishedOrder
+from replaybuf.episodes.spares import Spares
 
 
 class PinningDriver(Driver):
@@ -187,6 +189,20 @@ def test_a_vector_env_reuses_evicted_records_and_reads_its_episodes_back():
         for _ in range(6):
             ended = own
             own = _vector_env_cycle(buf, own, length)
+            for e in own:  # every field as a new record's, the id, agent and order its own
+                record = buf._core.episodes[e]
+                new = Episode(e, "default", record.seq)
+                for field in dataclasses.fields(Episode):
+                    assert getattr(record, field.name) == getattr(new, field.name), field.name
+            assert [buf._core.episodes[e].seq for e in own] == list(
+                range(buf._core.next_seq - envs, buf._core.next_seq)
+            )
+        ended = own
+        for t in range(length):  # and reused records take the agent they are started for
+            buf.append_batch(own, *batch_of([step(e, t) for e in own]))
+        buf.end_episodes(own, "truncated", torch.stack([final_obs(e, length) for e in own]))
+        others = buf.start_episodes(envs, agent_id="other")
+        assert {buf._core.episodes[e].agent_id for e in others} == {"other"}
     assert made.call_count == 0
     assert buf.stats()["evicted_episodes"] >= 8 * envs
     for e in ended:
@@ -194,7 +210,7 @@ def test_a_vector_env_reuses_evicted_records_and_reads_its_episodes_back():
         written = [*(obs(e, t) for t in range(length)), final_obs(e, length)]
         assert episode["observation"].tolist() == [o.tolist() for o in written]
         assert episode["action"].tolist() == [action(e, t).item() for t in range(length)]
-    assert [buf._core.episodes[e].steps for e in own] == [0] * envs
+    assert [buf._core.episodes[e].steps for e in others] == [0] * envs
     buf.close()
 
 
@@ -214,3 +230,10 @@ def test_an_evicted_record_held_elsewhere_is_never_reused():
     records = [*buf._core.episodes.values(), *buf._core.spares.records]
     assert all(record is not held for record in records)  # ... and never handed out again
     buf.close()
+
+
+def test_spares_hand_out_no_record_for_no_episodes():
+    spares = Spares()
+    spares.records = [Episode(1, "a", 1)]
+    assert spares.episodes(range(5, 5), "b", 9) == []
+    assert [record.episode_id for record in spares.records] == [1]

@@ -289,11 +289,15 @@ def test_fast_frame_stacks_are_the_general_paths(
     event(f"both stacks from one gather: {one}")
 
 
-def test_one_call_batches_are_the_callers_across_calls(make):
+@pytest.mark.parametrize("shared", [True, False])
+def test_one_call_batches_are_the_callers_across_calls(make, shared, monkeypatch):
     """The one-call path reuses a scratch tensor for its draws: batches of changing sizes, each
-    the general path's for the same seed, and none changed or shared by a later call."""
+    the general path's for the same seed, and none changed or shared by a later call; built
+    from shared attributes, or by ``_new_unsafe`` where none are found."""
     from replaybuf.sampling.host import FrameNStep
 
+    if not shared:
+        monkeypatch.setattr("replaybuf.sampling.host.shared_attributes", lambda *args: None)
     buf = make(40, frame_stack=3)
     for e_len in (7, 9, 11):
         e = buf.start_episode()
@@ -321,10 +325,10 @@ def test_one_call_batches_are_the_callers_across_calls(make):
     if unsafe is not None:
         for batch in got:
             built = unsafe(dict(batch.items()), batch_size=batch.batch_size, device="cpu")
-            assert vars(batch).keys() == vars(built).keys()
-            assert batch.device == torch.device("cpu")
-            assert batch.batch_size == built.batch_size
+            attributes = {k: v for k, v in vars(batch).items() if k != "_tensordict"}
+            assert attributes == {k: v for k, v in vars(built).items() if k != "_tensordict"}
         assert got[0]._tensordict is not got[2]._tensordict
+    assert (buf._chosen_paths().n_step.attributes is not None) == shared
 
 
 def test_batches_are_the_callers_after_later_writes(make):

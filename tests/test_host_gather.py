@@ -149,20 +149,30 @@ def test_uniform_batch_is_declined_where_the_host_path_does_not_apply():
         assert buf.sample_batch(3)["a", "b"].shape == (3, 2)
 
 
-def test_uniform_batches_are_new_unsafe_batches_of_their_own():
+@pytest.mark.parametrize("shared", [True, False])
+def test_uniform_batches_are_new_unsafe_batches_of_their_own(shared, monkeypatch):
     """The fast path's batches carry the attributes ``_new_unsafe`` gives a batch of their
-    size, each its own leaf dict: one batch changed leaves every other as it was."""
+    size, each its own leaf dict: one batch changed leaves every other as it was. Built from
+    shared attributes, or by ``_new_unsafe`` itself where none are found (then without the
+    device lookup's cached MPS flag, which a batch reads again when asked)."""
     unsafe = getattr(TensorDict, "_new_unsafe", None)
     if unsafe is None:
         pytest.skip("this tensordict has no _new_unsafe")
+    if not shared:
+        monkeypatch.setattr("replaybuf.storage.ringbatch.shared_attributes", lambda *args: None)
     with ReplayBuffer("cpu", "cpu", 10, storage="tensor", seed=0) as buf:
         buf.add_batch({"x": torch.arange(10.0), "y": torch.ones(10, 2)})
         got = [buf.sample_batch(size) for size in (4, 4, 3, 4)]
+        fast = uniform_batch(buf._slots)
+        assert isinstance(fast, UniformBatch)
+        assert (fast.attributes is not None) == shared
         for batch in got:
             built = unsafe(dict(batch.items()), batch_size=batch.batch_size, device="cpu")
-            assert {k: v for k, v in vars(batch).items() if k != "_tensordict"} == {
-                k: v for k, v in vars(built).items() if k != "_tensordict"
+            skip = {"_tensordict"} if shared else {"_tensordict", "_has_mps_val"}
+            assert {k: v for k, v in vars(batch).items() if k not in skip} == {
+                k: v for k, v in vars(built).items() if k not in skip
             }
+            assert batch.device == torch.device("cpu")
         assert [batch.batch_size for batch in got] == [torch.Size([n]) for n in (4, 4, 3, 4)]
         got[0]["z"] = torch.zeros(4)
         got[0].batch_size = torch.Size([])

@@ -66,8 +66,9 @@ class Spares:
         records first, new ones for the rest."""
         count = len(ids)
         records = self.records
-        reused = records[-count:] if count <= len(records) else records[:]
-        del records[len(records) - len(reused) :]
+        cut = len(records) - min(count, len(records))
+        reused = records[cut:]
+        del records[cut:]
         used = len(reused)
         if used:
             _set(reused, "episode_id", ids[:used])

@@ -31,8 +31,9 @@ class UniformBatch:
 
     def __init__(self, names: list[str], views: list[np.ndarray], new: Any) -> None:
         self.fields = list(zip(names, views, strict=True))
-        self.new = new  # tensordict's unchecked constructor
-        # Whether the batch's device may be set as _new_unsafe sets it (see _device_settable).
+        # tensordict's unchecked constructor, and whether the batch's device may be set as
+        # _new_unsafe sets it (see _device_settable): where shared_attributes finds none
+        self.new = new
         self.set_device = _device_settable(new)
         # The last batch size's attributes for with_attributes (None: build through ``new``).
         self.size = -1

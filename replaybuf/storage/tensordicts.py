@@ -65,7 +65,9 @@ _NEW_INSTANCE = TensorDict.__new__  # a bare instance, for batches of shared att
 
 def with_attributes(leaves: dict[str, torch.Tensor], attributes: dict[str, Any]) -> TensorDict:
     """The flat TensorDict of ``leaves`` (its own dict from now on) that ``_new_unsafe``
-    builds, given the ``attributes`` :func:`shared_attributes` read for its size and device."""
+    builds, given the ``attributes`` :func:`shared_attributes` read for its size and device.
+    For the host sampling paths, which torch.compile does not trace (under compilation
+    ``_new_unsafe`` itself builds through the public constructor)."""
     batch = _NEW_INSTANCE(TensorDict)
     batch.__dict__.update(attributes)
     batch._tensordict = leaves
