@@ -124,7 +124,7 @@ class EpisodeCore:
         # progress ends or goes.
         self._run: BatchRun | None = None
         self.finished = FinishedOrder()  # (seq, episode_id) of finished episodes
-        self.spares = Spares()  # evicted records that bulk starts reuse
+        self.spares = Spares()  # evicted records that starts reuse
         self.next_id = 0
         self.next_seq = 0
         self.steps = 0

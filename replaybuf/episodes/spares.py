@@ -1,4 +1,4 @@
-"""Episode records kept after eviction and handed out again by bulk starts.
+"""Episode records kept after eviction and handed out again to the episodes started next.
 
 A vector env of short episodes starts and evicts about as many episodes as it has envs every
 few steps. New :class:`Episode` records (and their row arrays) are objects the garbage
