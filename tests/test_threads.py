@@ -173,13 +173,16 @@ def test_an_epoch_iterator_shares_the_buffer_with_a_writer_thread() -> None:
     buf = ReplayBuffer("cpu", "cpu", 10_000, seed=0)
     buf.add_batch({"x": torch.arange(2_000), "y": -torch.arange(2_000)})
     seen: list[torch.Tensor] = []
+    planned = threading.Event()  # an epoch is planned when it starts: at its first batch
 
     def learn() -> None:
         for batch in buf.create_epoch_iterator(64):
+            planned.set()
             assert torch.equal(batch["y"], -batch["x"])
             seen.append(batch["x"])
 
     def write() -> None:
+        assert planned.wait(60), "the epoch never started"
         for k in range(2_000, 4_000, 10):
             buf.add_batch({"x": torch.arange(k, k + 10), "y": -torch.arange(k, k + 10)})
 
