@@ -10,8 +10,6 @@ next flush (:mod:`replaybuf.episodes.staging`). Plain functions over the
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 from replaybuf.core import END_NONE
@@ -21,8 +19,6 @@ from replaybuf.episodes.staging import drop_run, pack_staged
 
 if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
-
-_OWN, _EPISODE_ID, _LAST = attrgetter("own"), attrgetter("episode_id"), itemgetter(-1)
 
 
 def assign_row(core: EpisodeCore, episode: Episode) -> int:
@@ -47,8 +43,8 @@ def assign_row(core: EpisodeCore, episode: Episode) -> int:
 def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
     """:func:`assign_row` for each of ``episodes``, in order, in whole-array steps.
 
-    It runs once per ``append_batch``: C-level maps and array operations do per episode what
-    a Python loop would do at interpreter speed.
+    It runs once per ``append_batch``: a batch run's repeated batch costs no per-episode work;
+    another batch reads each record once.
     """
     count = len(episodes)
     free = core.free
@@ -67,13 +63,14 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
         drop_run(core)
         pack_staged(core)  # staged bookkeeping stays in staging order
         packed = core._packed
-        # Lists from C-level maps, then array.fromlist: array("q", map(...)) is slower.
-        owns = list(map(_OWN, episodes))  # settled: no episode is in a run after drop_run
+        # One read of each record (see replaybuf.episodes.spares on loops); settled: no
+        # episode is in a run after drop_run.
+        owns = [episode.own for episode in episodes]
         steps = array("q", list(map(len, owns)))
-        ids = array("q", list(map(_EPISODE_ID, episodes)))
+        ids = array("q", [episode.episode_id for episode in episodes])
         packed.add_rows(rows, ids, steps, core.allocations)
         if all(steps):  # every episode has a step to link from (all but their first calls)
-            packed.sources.fromlist(list(map(_LAST, owns)))
+            packed.sources.fromlist([own[-1] for own in owns])
             packed.targets.extend(rows)
             linked = count
         elif not any(steps):  # new episodes only (a vector env's first step): no links
@@ -83,7 +80,8 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
             packed.sources.fromlist([source for source, _ in had])
             packed.targets.fromlist([target for _, target in had])
             linked = len(had)
-        deque(map(array.append, owns, rows), maxlen=0)  # each episode's new row, in C
+        for own, row in zip(owns, rows, strict=True):  # each episode's new row
+            own.append(row)
         core._run = BatchRun(episodes, ids, steps, rows, core.allocations + count)
     core.allocations += count
     core.steps += count

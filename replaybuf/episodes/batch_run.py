@@ -9,9 +9,6 @@ columns until a flush places it.
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from itertools import repeat
-from operator import attrgetter
 
 import numpy as np
 
@@ -21,7 +18,6 @@ from replaybuf.episodes.episode import Episode
 # (checked at each pack, at every flush), which bounds its pending list.
 _SETTLE_BATCHES = 256
 Ints = array | np.ndarray
-_OWN = attrgetter("own")
 
 
 class BatchRun:
@@ -51,7 +47,8 @@ class BatchRun:
         self.settled = 0  # ... and in their episodes' ``own`` arrays
         self.allocations = allocations
         self.protected: set[int] | None = None  # the episodes' ids, once an eviction asks
-        deque(map(setattr, episodes, repeat("run"), repeat(self, len(episodes))), maxlen=0)
+        for episode in episodes:
+            episode.run = self
 
     def add(self, rows: array, allocations: int) -> None:
         """One more batch of rows (one per episode, in order); ``allocations``: the core's
@@ -105,12 +102,13 @@ class BatchRun:
         new = self.batches[self.settled :]
         if new:
             table = np.frombuffer(b"".join(new), np.int64).reshape(len(new), len(self.ids))
-            # Episode-major bytes, each episode's slice appended to its array in C-level maps.
+            # Episode-major bytes, each episode's slice appended to its array.
             raw = memoryview(table.T.tobytes())
             width = 8 * len(new)
-            cuts = map(slice, range(0, len(raw), width), range(width, len(raw) + width, width))
-            owns = map(_OWN, self.episodes)
-            deque(map(array.frombytes, owns, map(raw.__getitem__, cuts)), maxlen=0)
+            at = 0
+            for episode in self.episodes:
+                episode.own.frombytes(raw[at : at + width])
+                at += width
             self.settled = len(self.batches)
         done = min(self.packed, self.settled)
         if done:

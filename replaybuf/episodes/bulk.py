@@ -9,10 +9,7 @@ here, all of them before anything is applied; then :func:`end_many` applies them
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
-from operator import attrgetter, itemgetter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,8 +28,6 @@ if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
 
 _WHAT = "end_episodes"
-_EPISODE_ID, _OWN = attrgetter("episode_id"), attrgetter("own")
-_SEQ, _LAST = attrgetter("seq"), itemgetter(-1)
 
 
 def checked_starts(count: Any, agent_id: Any, max_episodes: int | None) -> None:
@@ -227,8 +222,8 @@ def end_many(
     pins the rows) changes nothing.
     """
     drop_run(core)  # as the first end would (the episodes' rows settle, read below)
-    protected = set(map(_EPISODE_ID, episodes))
-    steps = list(map(len, map(_OWN, episodes)))
+    protected = {episode.episode_id for episode in episodes}
+    steps = [len(episode.own) for episode in episodes]
     need = len(steps) - steps.count(0)
     if need > len(core.free):
         choose_victims(core, 0, need, 0, protected)  # raises if no eviction makes room
@@ -290,23 +285,25 @@ def _end_run(
     plan.put_finals(len(stager), batch[at : at + count])
     stager.rows.extend(rows)
     packed = core._packed
-    owns = list(map(_OWN, episodes))
-    id_list = list(map(_EPISODE_ID, episodes))
-    ids = array("q", id_list)
-    steps = array("q", list(map(len, owns)))
+    # One read of each record, then one write (see replaybuf.episodes.spares on loops).
+    id_list, steps_list, lasts = [], [], []
+    for episode in episodes:
+        own = episode.own
+        id_list.append(episode.episode_id)
+        steps_list.append(len(own))
+        lasts.append(own[-1])
+    ids, steps = array("q", id_list), array("q", steps_list)
     packed.add_rows(rows, ids, steps, core.allocations, array("q", end_kinds))
-    packed.sources.fromlist(list(map(_LAST, owns)))
+    packed.sources.fromlist(lasts)
     packed.targets.extend(rows)
     core.allocations += count
     core.valid_steps += count
-    # Each episode marked ended (as EpisodeCore._finish does), in C-level maps.
-    _set_each(episodes, "final_row", rows)
-    _set_each(episodes, "end_kind", end_kinds)
-    _set_each(episodes, "end_flush", repeat(core.flushes, count))
-    deque(map(core.running.__delitem__, id_list), maxlen=0)
-    core.finished.extend(list(zip(map(_SEQ, episodes), id_list, strict=True)))
-
-
-def _set_each(episodes: list[Episode], name: str, values: Iterable[Any]) -> None:
-    """Set attribute ``name`` of each episode to the matching value."""
-    deque(map(setattr, episodes, repeat(name), values), maxlen=0)
+    # Each episode marked ended, as EpisodeCore._finish does.
+    flushes, running, entries = core.flushes, core.running, []
+    for episode, row, kind in zip(episodes, rows, end_kinds, strict=True):
+        episode.final_row = row
+        episode.end_kind = kind
+        episode.end_flush = flushes
+        del running[episode.episode_id]
+        entries.append((episode.seq, episode.episode_id))
+    core.finished.extend(entries)

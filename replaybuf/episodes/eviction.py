@@ -11,7 +11,6 @@ from array import array
 from collections import deque
 from collections.abc import Generator
 from itertools import accumulate, repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,11 +24,6 @@ from replaybuf.storage import to_device_async
 
 if TYPE_CHECKING:
     from replaybuf.episodes.core import EpisodeCore
-
-_END_FLUSH, _END_KIND = attrgetter("end_flush"), attrgetter("end_kind")
-_ROWS, _FINAL_ROW = attrgetter("rows"), attrgetter("final_row")
-_OWN, _RUN = attrgetter("own"), attrgetter("run")
-_EPISODE_ID = attrgetter("episode_id")
 
 
 def make_room(core: EpisodeCore, steps: int, rows: int, episodes: int, protected: set[int]) -> None:
@@ -106,10 +100,12 @@ def take_finished(
 
 
 def all_flushed(core: EpisodeCore, victims: list[Episode]) -> bool:
-    """:func:`flushed` for every one of ``victims``, in C-level passes."""
-    if END_NONE in map(_END_KIND, victims):
-        return False
-    return max(map(_END_FLUSH, victims)) < core.flushes
+    """:func:`flushed` for every one of ``victims``."""
+    flushes = core.flushes
+    for episode in victims:
+        if episode.end_kind == END_NONE or episode.end_flush >= flushes:
+            return False
+    return True
 
 
 def choose_victims(
@@ -209,21 +205,17 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
         if core.batched:
             core.spares.keep(episodes)
         return
-    # Each episode's rows, then its final row: C-level maps (no per-episode bytecode).
-    owns = map(_ROWS if any(map(_RUN, episodes)) else _OWN, episodes)  # settled
-    parts = list(map(array, repeat("q", len(episodes)), owns))
-    finals = list(map(_FINAL_ROW, episodes))
-    if None in finals:
-        for rows, row in zip(parts, finals, strict=True):
-            if row is not None:
-                rows.append(row)
-    else:
-        deque(map(array.append, parts, finals), maxlen=0)
-    lengths = list(map(len, parts))  # steps, and the final row if any
+    owns, finals, ids, in_progress = _read_victims(episodes)
+    lengths = list(map(len, owns))  # steps
     ends = np.fromiter(accumulate(lengths), np.int64, len(lengths))
-    if ends[-1]:
-        held = np.frombuffer(b"".join(parts), np.int64)
-        core.anchors.remove_present_groups(held, ends)
+    steps = int(ends[-1])
+    ended = [row for row in finals if row is not None]  # final rows
+    if steps or ended:
+        stepped = np.frombuffer(b"".join(owns), np.int64)
+        # Each episode's steps as one group, as remove_episode removes them; its final row
+        # is never an anchor (nothing follows it), so it changes nothing there.
+        core.anchors.remove_present_groups(stepped, ends)
+        held = np.concatenate((stepped, np.array(ended, np.int64))) if ended else stepped
         core.links.release(held)
         core.slots.release_ragged(held)
         if core.priorities is not None:
@@ -234,15 +226,12 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
             core.quarantine.extend(freed.tolist())
         else:
             core.free.frombytes(freed.tobytes())
-    ended = len(finals) - finals.count(None)  # episodes with a final row
-    steps = int(ends[-1]) - ended
     valid = steps  # less one for each in progress with steps (its last has no next yet)
-    if ended < len(finals):
+    if len(ended) < len(finals):
         valid -= sum(1 for held, row in zip(lengths, finals, strict=True) if held and row is None)
-    ids = list(map(_EPISODE_ID, episodes))
     deque(map(core.episodes.__delitem__, ids), maxlen=0)
     went = False  # an episode in progress went: the batch run ends
-    if END_NONE in map(_END_KIND, episodes):
+    if in_progress:
         running = core.running
         went = any([running.pop(episode_id, None) is not None for episode_id in ids])
     core.steps -= steps
@@ -250,6 +239,20 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
     if went:
         drop_run(core)
     core.spares.keep(episodes)
+
+
+def _read_victims(episodes: list[Episode]) -> tuple[list[array], list[int | None], list[int], bool]:
+    """Each victim's settled rows, final row and id, and whether any is in progress: one read
+    of each record (see :mod:`replaybuf.episodes.spares` on loops). A function of its own, so
+    that no loop variable outlives it holding a record (:meth:`Spares.keep` counts them)."""
+    owns, finals, ids = [], [], []
+    in_progress = False
+    for episode in episodes:
+        owns.append(episode.own if episode.run is None else episode.rows)
+        finals.append(episode.final_row)
+        ids.append(episode.episode_id)
+        in_progress = in_progress or episode.end_kind == END_NONE
+    return owns, finals, ids, in_progress
 
 
 def remove_episode(core: EpisodeCore, episode: Episode) -> None:

@@ -9,9 +9,7 @@ priorities. Plain functions over the :class:`~replaybuf.episodes.core.EpisodeCor
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,8 +105,8 @@ def drop_run(core: EpisodeCore) -> None:
         core._run = None
         run.pack(core._packed)
         run.settle_rows()
-        episodes = run.episodes
-        deque(map(setattr, episodes, repeat("run"), repeat(None, len(episodes))), maxlen=0)
+        for episode in run.episodes:
+            episode.run = None
 
 
 def apply_packed(core: EpisodeCore) -> None:
