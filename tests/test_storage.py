@@ -305,6 +305,41 @@ def test_direct_row_writes_land_in_torchrl_storage_with_its_bookkeeping(tmp_path
         assert buf.memory.storage._last_cursor == record.final_row
 
 
+@pytest.mark.parametrize("filled", [1, 5, 60, 64])
+@pytest.mark.parametrize("slots", [[7], [3, 40, 2], [63, 0, 5, 9, 11]])
+def test_record_slots_leaves_torchrl_s_counters_as_record_write_does(filled, slots):
+    # A flush records its rows through the raw counters (RowBookkeeping.wrote_slots), not
+    # TorchRL's locked setters: the length (capped at the capacity), the last cursor, its
+    # shared index, the writer and the revision's step must come out as record_write's.
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from replaybuf.storage.torchrl_state import record_slots, record_write
+
+    def counters(memory: TensorDictReplayBuffer) -> tuple:
+        storage = memory.storage
+        revision = storage._mutation_revision_value.value
+        last = storage._last_cursor_index  # the shared value; _last_cursor compared apart
+        return len(storage), last, memory.writer.state_dict(), revision
+
+    ours, theirs = (TensorDictReplayBuffer(storage=LazyTensorStorage(64)) for _ in range(2))
+    for memory in (ours, theirs):
+        memory.extend(TensorDict({"x": torch.arange(filled)}, [filled]))
+    before = counters(ours)
+    assert before == counters(theirs)
+    at = torch.tensor(slots)
+    derived: dict = {}
+    record_slots(derived, ours, at, slots[-1])
+    record_write(theirs.storage, slots[-1], at)
+    assert derived  # the raw counters were found, and kept for the next flush
+    assert counters(ours) == counters(theirs) != before
+    assert ours.storage._last_cursor == theirs.storage._last_cursor == slots[-1]
+    record_slots(derived, ours, at, None)  # no last slot known: TorchRL's own setters
+    record_write(theirs.storage, at, at)
+    assert counters(ours) == counters(theirs)
+    assert torch.equal(ours.storage._last_cursor, theirs.storage._last_cursor)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_dropping_its_copy_leaves_the_parents_scratch_folder(tmp_path):
     with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path) as buf:

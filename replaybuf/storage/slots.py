@@ -44,6 +44,7 @@ from replaybuf.storage.torchrl_state import (
     allocated,
     allocated_bytes,
     new_memory,
+    record_slots,
     record_write,
     release,
     restore_state,
@@ -288,7 +289,7 @@ class SlotStorage(SlotPlanning):
                     if rows.dtype != words.dtype:  # words of another width (an address)
                         words, rows = words.view(np.uint8), rows.view(np.uint8)
                     self.row_scatter(words, rows, at)
-            record_write(self.memory.storage, slots if last is None else last, slots)
+            record_slots(self.derived, self.memory, slots, last)
             return
         # TorchRL's TensorStorage.set is its bookkeeping plus ``self._storage[cursor] = data``,
         # a TensorDict advanced-index assignment that is costly even for one row, paid by

@@ -102,7 +102,7 @@ class RowStager:
         # The tensor views the old array's memory (written through TorchRL's set, TorchRL keeps
         # it as its last cursor): that array is never touched again; staging starts a new one.
         self.rows = array("q")
-        return slots, [c[:count] for c in self.columns]
+        return slots, self.slices(0, count)
 
 
 def row_words(tensor: torch.Tensor) -> np.ndarray | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -22,6 +23,7 @@ from replaybuf.storage.schema import Key
 INDEX_KEY = ("index",)
 # What TorchRL's TensorStorage.set does besides copying (SlotStorage.write repeats it).
 _SET_BOOKKEEPING = ("_set_last_cursor", "_get_new_len", "_bump_mutation_revision")
+_BOOK = "storage.bookkeeping"  # record_slots' entry in a storage's derived cache
 
 
 def new_memory(
@@ -170,6 +172,17 @@ class RowBookkeeping:
         self.cursor.value = end % self.max_size
         self.writes.value += rows
 
+    def wrote_slots(self, last: int, rows: int) -> None:
+        """Record ``rows`` rows written at slots the caller chose, ``last`` the last of them, as
+        :func:`record_write` does (TorchRL's ``TensorStorage.set``: the writer's cursor and
+        count stay as they are)."""
+        self.storage._last_cursor = last
+        self.last.value = last
+        length = self.length
+        if length.value < self.max_size:
+            length.value = min(length.value + rows, self.max_size)
+        self.revision.value += 1
+
 
 def row_bookkeeping(memory: TensorDictReplayBuffer) -> RowBookkeeping | None:
     """:class:`RowBookkeeping` of ``memory`` (allocated, a round-robin ring), or None where this
@@ -188,3 +201,20 @@ def row_bookkeeping(memory: TensorDictReplayBuffer) -> RowBookkeeping | None:
     if len(held) != len(shared) or writer.state_dict().keys() != {"_cursor", "_write_count"}:
         return None
     return RowBookkeeping(storage, [value.get_obj() for value in held])
+
+
+def record_slots(
+    derived: dict[str, Any], memory: TensorDictReplayBuffer, slots: torch.Tensor, last: int | None
+) -> None:
+    """:func:`record_write` of rows written at ``slots`` (``last``: the last of them, when the
+    caller knows it), through :meth:`RowBookkeeping.wrote_slots` where this TorchRL keeps its
+    counters so: without the locks of TorchRL's setters, which a flush of one staged row (each
+    sample after a per-step append) otherwise pays several times. The bookkeeping is kept in
+    ``derived`` (a storage's cache, emptied whenever its columns change)."""
+    book = derived.get(_BOOK, False)
+    if book is False:
+        book = derived[_BOOK] = row_bookkeeping(memory)
+    if book is None or last is None:
+        record_write(memory.storage, slots if last is None else last, slots)
+    else:
+        book.wrote_slots(last, slots.shape[0])
