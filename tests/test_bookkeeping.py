@@ -20,6 +20,7 @@ from replaybuf import EpisodeStateError, SyncEpisodeReplayBuffer
 from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 from replaybuf.core.index import END_NONE, full_sequence_starts
 from replaybuf.episodes.core import EpisodeCore
+from replaybuf.episodes.links import RowLinks
 
 NO_KERNELS = kernels_unavailable_reason()
 COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
@@ -83,12 +84,14 @@ def run(
     frame_stack: int | None,
     storing: str = "cpu",
     max_steps: int = 12,
+    batched: bool = True,
 ) -> EpisodeCore:
     """The ops on a small buffer (evicting) stored on ``storing``, checking the bookkeeping
-    after each flush."""
+    after each flush; ``batched`` False: the core's one-by-one reference paths."""
     buf = SyncEpisodeReplayBuffer(
         max_steps, 5, storing_device=storing, storage="tensor", seed=0, frame_stack=frame_stack
     )
+    buf._core.batched = batched
     running: list[int] = []
     table = buf._core.episodes
     for step, (op, pick, width) in enumerate(ops_):
@@ -245,6 +248,39 @@ def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_ro
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@settings(max_examples=60, deadline=None)
+@given(ops_=ops)
+def test_per_step_flushes_in_one_call_agree_with_the_packed_path(ops_, frame_stack):
+    """A flush of per-step appends and final rows alone places and links them in one compiled
+    call (RowLinks.place_steps); the one-by-one reference packs them into columns first (the
+    general path): every column, the anchor order and the free list agree."""
+    fast = run(ops_, frame_stack)
+    packed = run(ops_, frame_stack, batched=False)
+    assert_same_bookkeeping(fast, packed)
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_a_read_after_each_append_flushes_through_place_steps():
+    """SB3's train_freq=1: an append, then a sample, each step. Each flush places its row in
+    one call, and the buffer reads what was appended."""
+    buf = SyncEpisodeReplayBuffer(64, storage="tensor", seed=0, frame_stack=2)
+    episode = buf.start_episode()
+    for t in range(2):  # the first write allocates the storage: its flush packs
+        buf.append_observation_action_reward(episode, torch.full((3,), float(t)), t, 1.0)
+    buf.sample_n_step(4)
+    with buf, mock.patch.object(RowLinks, "place_steps", wraps=buf._core.links.place_steps):
+        place_steps = buf._core.links.place_steps
+        for t in range(2, 6):
+            buf.append_observation_action_reward(episode, torch.full((3,), float(t)), t, 1.0)
+            buf.sample_n_step(4)
+        assert place_steps.call_count == 4
+        assert_bookkeeping(buf._core)
+        newest = buf.get_episode(episode)["observation"][:, -1, 0]  # each stack's own frame
+        assert newest.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
 def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing():
     from replaybuf.accel import numba_kernels as kernels
 
@@ -263,6 +299,10 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
             kernels.connect_rows(ints(0, 1), ints(2, bad), cols[0], cols[1], cols[6])
         with pytest.raises(IndexError, match="row out of range"):
             kernels.release_rows(ints(1, bad), *cols[:4], cols[6])
+        with pytest.raises(IndexError, match="row out of range"):  # a placed row, a link's
+            kernels.place_steps(ints(0, 7, 0, 0, 3, bad, 7, 1, 0, 4), ints(0, 1), *cols)
+        with pytest.raises(IndexError, match="row out of range"):
+            kernels.place_steps(ints(0, 7, 0, 0, 3), ints(0, bad), *cols)
         rows, pos = ints(0, 1, -1, -1), ints(0, 1, -1, -1)
         with pytest.raises(IndexError, match="row out of range"):
             kernels.remove_anchors(ints(0, bad), rows, pos, 2)
@@ -275,6 +315,9 @@ def test_the_bookkeeping_kernels_refuse_bad_rows_and_lengths_and_write_nothing()
         kernels.connect_rows(ints(0, 1), ints(2), cols[0], cols[1], cols[6])
     with pytest.raises(ValueError, match="count or columns"):
         kernels.remove_anchors(ints(0), ints(0, 1, -1, -1), ints(0, 1, -1, -1), 5)
+    for meta, pairs in [(ints(0, 7, 0, 0), ints()), (ints(0, 7, 0, 0, 3), ints(0))]:
+        with pytest.raises(ValueError, match="wrong length"):
+            kernels.place_steps(meta, pairs, *cols)
     # A batch run's batches: two episodes (ids 7, 8), two batches, linked from rows 0 and 1.
     batch = (ints(7, 8), ints(1, 1), 5, ints(0, 1))
     for rows, sources, bad in [
@@ -321,6 +364,8 @@ def test_the_bookkeeping_kernels_refuse_columns_of_other_lengths():
             kernels.place_rows(ints, ints, ints, ints * 0, ints, *cols)
         with pytest.raises(ValueError, match="columns differ in length"):
             kernels.place_batches(ints, ints, ints, 0, ints, ints.copy(), *cols)
+        with pytest.raises(ValueError, match="columns differ in length"):
+            kernels.place_steps(np.array([0, 7, 0, 0, 3]), ints, *cols)
         if short in (1, 6):
             with pytest.raises(ValueError, match="columns differ in length"):
                 kernels.connect_rows(ints, ints[::-1].copy(), cols[0], cols[1], cols[6])

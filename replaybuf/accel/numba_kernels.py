@@ -296,6 +296,50 @@ def connect_rows(
             prev_row[target] = source
 
 
+@njit(
+    types.void(_I64_IN, _I64_IN, *([_I64] * 3), _I8, _I64, _I64, _I64),
+    cache=True,
+    boundscheck=False,
+)
+def place_steps(
+    meta: np.ndarray,
+    pairs: np.ndarray,
+    next_row: np.ndarray,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    step: np.ndarray,
+    alloc: np.ndarray,
+    prev_row: np.ndarray,
+) -> None:
+    """:func:`place_rows` then :func:`connect_rows` from the per-step lists as they are staged,
+    in one call (a flush of a few appended steps, each read after an append, pays its calls
+    more than its writes): ``meta`` five ints a row (row, episode, step, end kind,
+    allocation), ``pairs`` two a link (source, target). Every row is checked first."""
+    size = next_row.shape[0]
+    if meta.shape[0] % 5 != 0 or pairs.shape[0] % 2 != 0:
+        raise ValueError("place_steps: meta or pairs of a wrong length")
+    backward = _placed_columns(size, succ, episode, end_kind, step, alloc, prev_row)
+    for i in range(0, meta.shape[0], 5):
+        if not 0 <= meta[i] < size:
+            raise IndexError("bookkeeping write: a row out of range")
+    _check_rows(pairs, size)
+    for i in range(0, meta.shape[0], 5):
+        row = meta[i]
+        _place(
+            row, meta[i + 1], meta[i + 3], meta[i + 2], meta[i + 4],
+            next_row, succ, episode, end_kind, step, alloc,
+        )  # fmt: skip
+        if backward:
+            prev_row[row] = -1
+    for i in range(0, pairs.shape[0], 2):
+        source, target = pairs[i], pairs[i + 1]
+        next_row[source] = target
+        succ[source] = target
+        if backward:
+            prev_row[target] = source
+
+
 @njit(types.void(_I64_IN, _I64, _I64, _I64, _I8, _I64), cache=True, boundscheck=False)
 def release_rows(
     rows: np.ndarray,

@@ -56,9 +56,9 @@ from replaybuf.episodes.spares import Spares
 from replaybuf.episodes.staging import (
     admit,
     apply_packed,
+    apply_staged,
     drop_run,
     flush_if_full,
-    pack_staged,
     stage,
 )
 from replaybuf.errors import EpisodeStateError
@@ -478,8 +478,7 @@ class EpisodeCore:
                 starts = self.links.place_batches(*taken)
                 run.commit()  # only now: a failed placement leaves the batches pending
                 admit(self, starts)
-        pack_staged(self)
-        apply_packed(self)
+        apply_staged(self)
         self.flushes += 1  # only now: everything staged before is in storage
 
     def clear(self) -> None:

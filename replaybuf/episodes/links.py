@@ -196,6 +196,24 @@ class RowLinks:
         self._touched(sources)
         return torch.from_numpy(sources.copy())
 
+    def place_steps(self, meta: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        """:meth:`place` then :meth:`connect` in one compiled call (only when :attr:`compiled`),
+        from the per-step lists as the core stages them: ``meta`` five ints a row (row,
+        episode, step, end kind, allocation), ``pairs`` two a link (source, target). Returns
+        the sources (a view of ``pairs``)."""
+        if self._kernels is None:
+            raise InvalidStateError(
+                "RowLinks.place_steps needs replaybuf.accel.numba_kernels (see compiled)"
+            )
+        self.version += 1
+        c = self._master
+        self._kernels.place_steps(
+            meta, pairs, c.next_row, c.succ, c.episode, c.end_kind, c.step, c.alloc, self._prev
+        )
+        sources, targets = pairs[0::2], pairs[1::2]
+        self._touched(meta[0::5], sources, targets)
+        return sources
+
     @property
     def compiled(self) -> bool:
         """Whether writes run through replaybuf.accel.numba_kernels (so :meth:`place_batches`

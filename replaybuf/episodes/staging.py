@@ -109,6 +109,27 @@ def drop_run(core: EpisodeCore) -> None:
             episode.run = None
 
 
+def apply_staged(core: EpisodeCore) -> None:
+    """:func:`pack_staged` then :func:`apply_packed`. With nothing packed and no batch run
+    (per-step appends and final rows only) and the compiled kernels, the lists are placed and
+    linked in one call (:meth:`RowLinks.place_steps`) and their anchors admitted: a trainer
+    that samples after each append (SB3's SAC and TD3 by default) flushes a row or two each
+    time, where the packed columns' calls cost more than the writes. The one-by-one
+    reference (``core.batched`` False) takes the general path, which the tests compare."""
+    if core._run is not None or core._packed.rows or not core.links.compiled or not core.batched:
+        pack_staged(core)
+        apply_packed(core)
+        return
+    meta, pairs = core._staged_meta, core._staged_links
+    if not meta and not pairs:
+        return
+    sources = core.links.place_steps(np.array(meta, np.int64), np.array(pairs, np.int64))
+    if sources.shape[0]:
+        admit(core, torch.from_numpy(sources.copy()))
+    meta.clear()  # only now: a failed admission applies them again at the next flush
+    pairs.clear()
+
+
 def apply_packed(core: EpisodeCore) -> None:
     """Place and link the packed bookkeeping, and add its anchors."""
     packed = core._packed
