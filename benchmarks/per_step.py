@@ -1,7 +1,8 @@
 """W4's per-step calls against SB3's own: ``ReplayBuffer.add`` of one transition (torch, numpy
-and numpy-plus-Python-number inputs) beside SB3's ``ReplayBuffer.add``, and the SB3 adapter's
-``add`` and ``sample`` beside SB3's. Inputs are made before timing (as for every W4 writer), so
-the buffers are timed, not the dicts' or arrays' construction."""
+and numpy-plus-Python-number inputs) beside SB3's ``ReplayBuffer.add``, the SB3 adapter's
+``add`` and ``sample`` beside SB3's, and the two in turn (``train_freq=1``). Inputs are made
+before timing (as for every W4 writer), so the buffers are timed, not the dicts' or arrays'
+construction."""
 
 from __future__ import annotations
 
@@ -77,10 +78,24 @@ def sb3_pair(pool: StepPool, capacity: int) -> dict[str, Callable[[], Any]]:
 
         return steady(add, pool, capacity)
 
+    sb3_add, adapter_add = adder(theirs), adder(ours)
+
+    def pair(add: Callable[[], None], rb: Any) -> Callable[[], Any]:
+        """One add then one sample: SAC's and TD3's loop with SB3's ``train_freq=1``, where
+        each sample follows an add (for replaybuf, a read right after a staged write)."""
+
+        def step() -> Any:
+            add()
+            return rb.sample(BATCH)
+
+        return step
+
     return {
-        "sb3 add": adder(theirs),
-        "adapter add": adder(ours),
+        "sb3 add": sb3_add,
+        "adapter add": adapter_add,
         "sb3 sample": lambda: theirs.sample(BATCH),
         "adapter sample": lambda: ours.sample(BATCH),
+        "sb3 add+sample": pair(sb3_add, theirs),
+        "adapter add+sample": pair(adapter_add, ours),
         "close": ours.close,
     }

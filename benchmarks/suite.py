@@ -379,6 +379,8 @@ def section_inserts(cfg: Config, scratch: Path) -> dict[str, Any]:
             samples = max(calls // 20, 2)
             work["SB3 sample"] = Workload(pair["sb3 sample"], samples)
             work["sb3 adapter sample"] = Workload(pair["adapter sample"], samples)
+            work["SB3 add+sample"] = Workload(pair["sb3 add+sample"], samples)
+            work["sb3 adapter add+sample"] = Workload(pair["adapter add+sample"], samples)
         out["per_step"] = interleaved(work, cfg.repeats, loop)
 
         # ---- append_batch of 64 envs
@@ -848,9 +850,14 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             )
         )
 
-    def ratio_row(label: str, peer: dict[str, Any] | None, r: float, factor: float) -> None:
-        """A per-call cost against SB3's own call in the same run (ratio: to SB3's)."""
+    def ratio_row(label: str, peer: dict[str, Any] | None, r: float, factor: float | None) -> None:
+        """A per-call cost against SB3's own call in the same run (ratio: to SB3's); no
+        ``factor``: information, no target."""
         s = med(peer)
+        if s is None:
+            target = "(info: no SB3)"
+        else:
+            target = "(info)" if factor is None else f"<= {factor:g}x SB3's"
         rows.append(
             Row(
                 label + " (ratio: to SB3's)",
@@ -859,8 +866,8 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
                 None if s is None else r / s,
                 "-",
                 "-",
-                f"<= {factor:g}x SB3's" if s is not None else "(info: no SB3)",
-                None if s is None else r <= factor * s,
+                target,
+                None if s is None or factor is None else r <= factor * s,
             )
         )
 
@@ -903,6 +910,9 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
             ratio_row("W4 1 step/call, SB3 adapter add", peer, r, 1.2)
             theirs = ps["SB3 sample"]
             ratio_row("SB3 adapter sample(256)", theirs, med(ps["sb3 adapter sample"]), 1.0)
+            if "SB3 add+sample" in ps:  # absent in reports from before this row
+                r = med(ps["sb3 adapter add+sample"])
+                ratio_row("SB3 adapter add, then sample(256)", ps["SB3 add+sample"], r, None)
     for key, label, impl, target in (
         ("envs_64", f"W4 append_batch {ENVS} envs, sync", "replaybuf sync", True),
         ("envs_64", f"W4 append_batch {ENVS} envs, async", "replaybuf async", False),
