@@ -85,11 +85,18 @@ def run(
     storing: str = "cpu",
     max_steps: int = 12,
     batched: bool = True,
+    prioritized: bool = False,
 ) -> EpisodeCore:
     """The ops on a small buffer (evicting) stored on ``storing``, checking the bookkeeping
     after each flush; ``batched`` False: the core's one-by-one reference paths."""
     buf = SyncEpisodeReplayBuffer(
-        max_steps, 5, storing_device=storing, storage="tensor", seed=0, frame_stack=frame_stack
+        max_steps,
+        5,
+        storing_device=storing,
+        storage="tensor",
+        seed=0,
+        frame_stack=frame_stack,
+        prioritized=prioritized,
     )
     buf._core.batched = batched
     running: list[int] = []
@@ -248,16 +255,20 @@ def test_compiled_and_numpy_bookkeeping_writes_agree(ops_, frame_stack, flush_ro
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
-@pytest.mark.parametrize("frame_stack", [None, 2])
+@pytest.mark.parametrize(("frame_stack", "prioritized"), [(None, False), (2, False), (None, True)])
 @settings(max_examples=60, deadline=None)
 @given(ops_=ops)
-def test_per_step_flushes_in_one_call_agree_with_the_packed_path(ops_, frame_stack):
+def test_per_step_flushes_in_one_call_agree_with_the_packed_path(ops_, frame_stack, prioritized):
     """A flush of per-step appends and final rows alone places and links them in one compiled
     call (RowLinks.place_steps); the one-by-one reference packs them into columns first (the
-    general path): every column, the anchor order and the free list agree."""
-    fast = run(ops_, frame_stack)
-    packed = run(ops_, frame_stack, batched=False)
+    general path): every column, the anchor order, the free list and the priorities agree."""
+    fast = run(ops_, frame_stack, prioritized=prioritized)
+    packed = run(ops_, frame_stack, batched=False, prioritized=prioritized)
     assert_same_bookkeeping(fast, packed)
+    if prioritized:
+        assert fast.priorities is not None
+        assert packed.priorities is not None
+        assert torch.equal(fast.priorities.tree.weights(), packed.priorities.tree.weights())
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
@@ -719,6 +730,34 @@ def test_the_staging_buffer_holds_512_rows_or_2_mib_of_small_rows(observation_fl
         row_bytes = buf._core.slots.spec.row_bytes
         assert row_bytes == 4 * observation_floats + 8 + 4  # observation, int64 action, reward
         assert buf._core._stager.capacity == rows == max(512, min(16384, 2**21 // row_bytes))
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")
+def test_a_failed_admission_after_place_steps_is_applied_again_at_the_next_flush():
+    """The one-call flush keeps the per-step lists until their anchors are admitted: after an
+    admission that raises, the next flush places and admits them again, each anchor once."""
+    with SyncEpisodeReplayBuffer(50, prioritized=True, storage="tensor", seed=0) as buf:
+        episode = buf.start_episode()
+        for t in range(3):  # the first write allocates the storage (its flush packs)
+            buf.append_observation_action_reward(episode, torch.full((3,), t), t, 1.0)
+        buf.sample_n_step(2)
+        core = buf._core
+        for t in range(3, 8):
+            buf.append_observation_action_reward(episode, torch.full((3,), t), t, 1.0)
+        failing = mock.patch.object(
+            type(core.priorities), "admit", side_effect=RuntimeError("out of memory")
+        )
+        places = mock.patch.object(RowLinks, "place_steps", wraps=core.links.place_steps)
+        with places as place_steps:
+            with failing, pytest.raises(RuntimeError, match="out of memory"):
+                buf.sample_n_step(4)
+            assert len(core.anchors) == 2  # nothing of the failed flush admitted
+            buf.sample_n_step(4)
+        assert place_steps.call_count == 2
+        assert_bookkeeping(core)
+        anchors = core.anchors.snapshot()
+        assert sorted(core.links.step[anchors].tolist()) == list(range(7))
+        assert bool((core.priorities.tree.get(anchors) > 0).all())
 
 
 @pytest.mark.parametrize("mirror", [False, True])

@@ -258,6 +258,21 @@ def test_a_refused_first_append_fixes_no_fields(tmp_path):
         assert buf.spec[("observation",)].shape == (2,)
 
 
+def test_a_refused_eviction_names_the_steps_asked_for_not_a_candidate_s(tmp_path):
+    # The candidates looked at before the refusal (here an ended episode with no step, which
+    # frees nothing) must not change the count the message gives.
+    with SyncEpisodeReplayBuffer(3, scratch_dir=tmp_path) as buf:
+        empty = buf.start_episode()
+        buf.end_episode(empty, "terminated", torch.zeros(2))
+        e = buf.start_episode()
+        for t in range(3):
+            buf.append_observation_action_reward(e, torch.full((2,), float(t)), 0, 1.0)
+        with pytest.raises(ValueError, match=r"cannot make room for 1 step\(s\)") as refused:
+            buf.append_observation_action_reward(e, torch.zeros(2), 0, 1.0)
+        assert refused.value.argument == "max_steps"
+        assert buf.stats()["steps"] == 3
+
+
 def test_append_batch_with_a_bad_id_changes_no_other_episode(populated):
     running = populated.get_episode(RUNNING)
     fresh = populated.get_episode(FRESH)

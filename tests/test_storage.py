@@ -314,7 +314,7 @@ def test_record_slots_leaves_torchrl_s_counters_as_record_write_does(filled, slo
     from tensordict import TensorDict
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-    from replaybuf.storage.torchrl_state import record_slots, record_write
+    from replaybuf.storage.torchrl_state import RowBookkeeping, record_slots, record_write
 
     def counters(memory: TensorDictReplayBuffer) -> tuple:
         storage = memory.storage
@@ -331,7 +331,8 @@ def test_record_slots_leaves_torchrl_s_counters_as_record_write_does(filled, slo
     derived: dict = {}
     record_slots(derived, ours, at, slots[-1])
     record_write(theirs.storage, slots[-1], at)
-    assert derived  # the raw counters were found, and kept for the next flush
+    # the raw counters were found, and kept for the next flush
+    assert [type(book) for book in derived.values()] == [RowBookkeeping]
     assert counters(ours) == counters(theirs) != before
     assert ours.storage._last_cursor == theirs.storage._last_cursor == slots[-1]
     record_slots(derived, ours, at, None)  # no last slot known: TorchRL's own setters

@@ -176,10 +176,13 @@ def test_an_epoch_iterator_shares_the_buffer_with_a_writer_thread() -> None:
     planned = threading.Event()  # an epoch is planned when it starts: at its first batch
 
     def learn() -> None:
-        for batch in buf.create_epoch_iterator(64):
-            planned.set()
-            assert torch.equal(batch["y"], -batch["x"])
-            seen.append(batch["x"])
+        try:
+            for batch in buf.create_epoch_iterator(64):
+                planned.set()
+                assert torch.equal(batch["y"], -batch["x"])
+                seen.append(batch["x"])
+        finally:
+            planned.set()  # a reader that fails early does not leave the writer waiting
 
     def write() -> None:
         assert planned.wait(60), "the epoch never started"

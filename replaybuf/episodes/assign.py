@@ -44,7 +44,7 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
     """:func:`assign_row` for each of ``episodes``, in order, in whole-array steps.
 
     It runs once per ``append_batch``: a batch run's repeated batch costs no per-episode work;
-    another batch reads each record once.
+    another batch reads its records in two comprehensions (no attribute pass per field).
     """
     count = len(episodes)
     free = core.free
@@ -63,8 +63,8 @@ def assign_rows(core: EpisodeCore, episodes: list[Episode]) -> array:
         drop_run(core)
         pack_staged(core)  # staged bookkeeping stays in staging order
         packed = core._packed
-        # One read of each record (see replaybuf.episodes.spares on loops); settled: no
-        # episode is in a run after drop_run.
+        # Comprehensions over the records (see replaybuf.episodes.spares on loops); settled:
+        # no episode is in a run after drop_run.
         owns = [episode.own for episode in episodes]
         steps = array("q", list(map(len, owns)))
         ids = array("q", [episode.episode_id for episode in episodes])

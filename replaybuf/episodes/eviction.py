@@ -133,12 +133,12 @@ def choose_victims(
     candidates = eviction_order(core, protected)
     try:
         for episode in candidates:
-            steps = len(episode.rows)
-            holds = steps + (episode.final_row is not None)
+            held = len(episode.rows)
+            holds = held + (episode.final_row is not None)
             if holds == 0 and over_eps <= 0:
                 continue  # evicting it frees no step or row; only max_episodes needs it
             victims.append(episode)
-            over_steps -= steps
+            over_steps -= held
             over_rows -= holds if frees_rows else 0
             over_eps -= 1
             if over_steps <= 0 and over_rows <= 0 and over_eps <= 0:

@@ -56,8 +56,10 @@ class Spares:
         if _COUNT is None or room <= 0:
             return
         count, alone = _COUNT, _ALONE
-        kept = []
+        kept: list[Episode] = []
         for record in evicted:  # read as _ALONE is: nothing else may hold a reference
+            if len(kept) == room:
+                break
             if count(record) == alone:
                 del record.own[:]
                 record.final_row = None
@@ -67,7 +69,7 @@ class Spares:
                 record.final_ragged = None
                 record.run = None
                 kept.append(record)
-        records += kept[:room]
+        records += kept
 
     def episodes(self, ids: range, agent_id: str, seq: int) -> list[Episode]:
         """New episodes ``ids`` of ``agent_id`` numbered from ``seq`` in start order: kept
