@@ -282,11 +282,18 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         lock = self._lock  # inline, as the per-step appends: the per-step hot path
         lock.acquire()
         try:
-            self._check_open()
+            if self._closed:
+                self._check_open()  # raises
             # The row writer chosen for this storage (replaybuf.storage.ringrow): a dict of
             # exact matches goes straight into the columns; -1, nothing written: the general path.
             if row_writer(self._slots)(experience) < 0:
                 self._add(experience)
+            elif self._priorities is None:  # _advance(1), inline: a call costs as much
+                capacity = self._slots.capacity
+                self._pointer = (self._pointer + 1) % capacity
+                if self._size < capacity:
+                    self._size += 1
+                self._writes += 1
             else:
                 self._advance(1)
         finally:
