@@ -185,8 +185,9 @@ class RowBookkeeping:
 
 
 def row_bookkeeping(memory: TensorDictReplayBuffer) -> RowBookkeeping | None:
-    """:class:`RowBookkeeping` of ``memory`` (allocated, a round-robin ring), or None where this
-    TorchRL keeps its counters otherwise (a compilable storage, renamed attributes)."""
+    """:class:`RowBookkeeping` of ``memory`` (allocated, with TorchRL's round-robin writer: a
+    ring's, or an episode storage's, whose writer stays unused), or None where this TorchRL
+    keeps its counters otherwise (a compilable storage, renamed attributes)."""
     writer, storage = memory.writer, memory.storage
     shared = [
         getattr(writer, "_cursor_value", None),
