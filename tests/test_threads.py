@@ -193,3 +193,32 @@ def test_an_epoch_iterator_shares_the_buffer_with_a_writer_thread() -> None:
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(2_000))
     assert len(buf) == 4_000
     buf.close()
+
+
+def test_a_refused_sample_leaves_the_lock_free_for_other_threads() -> None:
+    """``sample_n_step`` takes its lock by hand: whatever it refuses, another thread can take
+    the lock right after (the lock is re-entrant, so only another thread would see a leak)."""
+    buf = SyncEpisodeReplayBuffer(100, 10, seed=0)
+    refusals = [
+        lambda: buf.sample_n_step(4),  # nothing stored yet
+        lambda: buf.sample_n_step(0),
+        lambda: buf.sample_n_step(4, n=0),
+        lambda: buf.sample_n_step(4, gamma=2.0),
+        lambda: buf.sample_n_step(4, layout="rllib"),
+    ]
+
+    def take_and_release(taken: list[bool]) -> None:
+        got = buf._lock.acquire(timeout=5)
+        taken.append(got)
+        if got:
+            buf._lock.release()
+
+    for refuse in refusals:
+        with pytest.raises((ValueError, TypeError)):
+            refuse()
+        taken: list[bool] = []
+        other = threading.Thread(target=take_and_release, args=(taken,))
+        other.start()
+        other.join()
+        assert taken == [True]
+    buf.close()

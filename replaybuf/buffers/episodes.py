@@ -55,6 +55,7 @@ from replaybuf.sampling import (
     torchrl_transitions,
 )
 from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
+from replaybuf.sampling.paths import PATHS_KEY
 from replaybuf.sampling.sequences import check_sequence_args
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
 
@@ -354,14 +355,20 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
 
     # ----------------------------------------------------------------- sampling
     def _chosen_paths(self) -> Paths:
-        """The sampling paths for this buffer's configuration (:mod:`replaybuf.sampling.paths`)."""
+        """The sampling paths for this buffer's configuration (:mod:`replaybuf.sampling.paths`):
+        the last choice while its token is current (``choose``'s own test, here to spare the
+        sampling calls a call), else a new one."""
+        paths = self._paths
+        if paths is not None and self._core.slots.derived.get(PATHS_KEY) is paths.token:
+            return paths
         self._paths = choose(
-            self._core, self.device, self._generator, self._draws, self._paths, self.ragged
+            self._core, self.device, self._generator, self._draws, paths, self.ragged
         )
         return self._paths
 
     def _require_steps(self, what: str) -> None:
-        self._check_open()
+        if self._closed:
+            self._check_open()  # raises
         have = self._core.valid_steps
         need = max(1, self.min_steps)
         if have < need:
@@ -376,7 +383,6 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
         generator draws: :mod:`replaybuf.sampling.budget`)."""
         ensure_batch_fits(count, row_bytes, (self.device, self.storing_device), what)
 
-    @synchronized
     def sample_n_step(
         self,
         batch_size: int,
@@ -392,13 +398,22 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
         ``"replaybuf"`` or ``"torchrl"`` (see :mod:`replaybuf.sampling.layout`; default: the
         buffer's).
         """
-        batch_size = positive_int(batch_size, "batch_size")
-        n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
-        torchrl = self._torchrl(layout)
-        self._require_steps("sample")
-        window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
-        self._ensure_fits(batch_size, transition_bytes(self.spec, self.frame_stack or 1, window))
-        batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
+        # The lock by hand, as the per-step appends take it: a small batch's Python calls
+        # cost several times their warm cost after the last batch's gather has evicted the
+        # caches, so the sampling calls make as few as they can.
+        lock = self._lock
+        lock.acquire()
+        try:
+            batch_size = positive_int(batch_size, "batch_size")
+            n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
+            torchrl = self._torchrl(layout)
+            self._require_steps("sample")
+            window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
+            row = transition_bytes(self._core.slots.spec, self.frame_stack or 1, window)
+            ensure_batch_fits(batch_size, row, (self.device, self.storing_device))
+            batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
+        finally:
+            lock.release()
         return torchrl_transitions(batch, gamma) if torchrl else batch
 
     @synchronized

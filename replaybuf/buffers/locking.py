@@ -3,8 +3,8 @@
 Every public call of :class:`~replaybuf.ReplayBuffer` and
 :class:`~replaybuf.SyncEpisodeReplayBuffer` runs under the buffer's re-entrant lock: a write or
 a sample is atomic with respect to every other call, as TorchRL's own ``ReplayBuffer`` takes a
-lock around its writes and samples. The per-step appends take the lock inline instead of through
-:func:`synchronized`, which saves a Python call per step.
+lock around its writes and samples. The per-step appends and ``sample_n_step`` take the lock
+inline instead of through :func:`synchronized`, which saves a Python call per step or batch.
 """
 
 from __future__ import annotations

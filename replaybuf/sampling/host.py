@@ -87,7 +87,7 @@ class HostNStep:
             w.values(),
             stacks,
         )
-        tensors = [torch.from_numpy(v) for v in values]
+        tensors = list(map(torch.from_numpy, values))  # no comprehension frame (CPython 3.11)
         batch = build_tensordict(plan.keys, tensors, batch_size, _CPU)
         if drawn is None:
             return batch
@@ -172,7 +172,7 @@ class FrameNStep(HostNStep):
             values += take_stacks(view, rows, real, k + shift, shift, plan.zero_padding)
         values += steps
         values += [reward, terminal, truncated, cut, discount, actual_n, step, episode]
-        tensors = [torch.from_numpy(v) for v in values]
+        tensors = list(map(torch.from_numpy, values))  # no comprehension frame (CPython 3.11)
         if self.names is None:  # nested keys
             return build_tensordict(plan.keys, tensors, batch_size, _CPU)
         leaves = dict(zip(self.names, tensors, strict=True))

@@ -42,7 +42,7 @@ from replaybuf.sampling.sequences import sequence_batch
 from replaybuf.sampling.view import EpisodeView
 from replaybuf.sampling.windows import window_math
 
-_KEY = "sampling.paths"  # its token in SlotStorage.derived (emptied when the columns change)
+PATHS_KEY = "sampling.paths"  # its token in SlotStorage.derived (emptied when the columns change)
 
 
 class SequencePath(Protocol):
@@ -158,7 +158,7 @@ def choose(
     """The paths for the core's configuration now: ``current`` while it still applies (the
     storage's columns unchanged since it was chosen), else a new choice."""
     derived = core.slots.derived
-    if current is not None and derived.get(_KEY) is current.token:
+    if current is not None and derived.get(PATHS_KEY) is current.token:
         return current
     math = window_math(core)
     builder = NStepBuilder(core, device, math, host_views_apply(core, device, math), ragged)
@@ -177,5 +177,5 @@ def choose(
         if plan is not None:
             one_call = uniform and core.frame_stack is not None
             n_step = (FrameNStep if one_call else HostNStep)(core, plan, generator, general)
-    token = derived[_KEY] = object()
+    token = derived[PATHS_KEY] = object()
     return Paths(n_step, sequences, builder, token)
