@@ -21,6 +21,7 @@ from replaybuf.accel.numba_loader import NUMBA_ENV, kernels_unavailable_reason
 from replaybuf.core.index import END_NONE, full_sequence_starts
 from replaybuf.episodes.core import EpisodeCore
 from replaybuf.episodes.links import RowLinks
+from replaybuf.episodes.staging import apply_staged
 
 NO_KERNELS = kernels_unavailable_reason()
 COLUMNS = ("next_row", "succ", "episode", "step", "end_kind", "alloc", "prev_row")
@@ -289,6 +290,39 @@ def test_a_read_after_each_append_flushes_through_place_steps():
         assert_bookkeeping(buf._core)
         newest = buf.get_episode(episode)["observation"][:, -1, 0]  # each stack's own frame
         assert newest.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_flush_with_nothing_staged_applies_nothing_and_is_not_counted():
+    """Each kind of staged state (a per-step row, a final row, a batch run's rows) makes a
+    flush apply it and count; a flush right after, with nothing staged, applies nothing and
+    leaves ``flushes`` as it was (an ended episode's rows still read as flushed after it)."""
+    buf = SyncEpisodeReplayBuffer(64, 16, storage="tensor", seed=0)
+    core = buf._core
+    one = buf.start_episode()
+    pair = [buf.start_episode(), buf.start_episode()]
+    obs = np.zeros(3, np.float32)
+    stagings = [
+        lambda: buf.append_observation_action_reward(one, obs, 0, 1.0),  # a per-step row
+        lambda: buf.append_batch(pair, np.zeros((2, 3), np.float32), [0, 0], [1.0, 1.0]),
+        lambda: buf.append_batch(pair, np.ones((2, 3), np.float32), [0, 0], [1.0, 1.0]),
+        lambda: buf.end_episode(one, "terminated", obs),  # a final row
+    ]
+    for stage in stagings:
+        stage()
+        before = core.flushes
+        with mock.patch("replaybuf.episodes.core.apply_staged", wraps=apply_staged) as applied:
+            core.flush()
+            assert applied.call_count == 1
+            assert core.flushes == before + 1
+            core.flush()  # nothing staged now
+            assert applied.call_count == 1
+            assert core.flushes == before + 1
+        assert len(core._stager) == 0
+        assert not core._staged_meta
+        assert not core._packed.rows
+        assert_bookkeeping(core)
+    assert core.episodes[one].end_flush < core.flushes  # ended, then flushed: no flush to evict
+    assert buf.get_episode(pair[0])["observation"][:, 0].tolist() == [0.0, 1.0]
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"{NO_KERNELS}")

@@ -130,7 +130,7 @@ class EpisodeCore:
         self.steps = 0
         self.valid_steps = 0
         self.evicted = 0
-        self.flushes = 0  # completed flushes (see Episode.end_flush)
+        self.flushes = 0  # flushes that wrote or placed something (see Episode.end_flush)
         self._stager: RowStager | None = None  # created once the spec is known
         self._plan: RowPlan | None = None  # the per-step fast path, with the stager
         # Bookkeeping staged with the rows: appended per step to flat lists (``list += tuple``
@@ -461,12 +461,22 @@ class EpisodeCore:
         device copy follows when read): before every read, whenever the stager is full (so
         the pending bookkeeping stays within a stager's rows) and before an eviction of rows
         still staged."""
-        stager = self._stager
+        stager, run = self._stager, self._run
+        if (
+            (run is None or run.packed == len(run.batches))  # no batch of the run pending
+            and not self._staged_meta
+            and not self._staged_links
+            and not self._packed.rows
+            and (stager is None or not len(stager))
+        ):
+            # Nothing staged (a read after a read, the usual case when sampling): every row is
+            # written and placed. ``flushes`` counts only flushes that applied something, which
+            # eviction's test of an ended episode's rows (``flushed``) still reads correctly.
+            return
         if stager is not None and len(stager):
             last = stager.rows[-1]
             slots, values = stager.drain()
             self.slots.write_rows(slots, stager.keys, values, last, stager.words)
-        run = self._run
         if run is not None and self.links.compiled and self.priorities is None:
             # The run's batches straight into the columns in one compiled pass, after what was
             # packed before them (staging order), which saves packing them first. Not with
