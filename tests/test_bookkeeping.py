@@ -292,10 +292,10 @@ def test_a_read_after_each_append_flushes_through_place_steps():
         assert newest.tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_a_flush_with_nothing_staged_applies_nothing_and_is_not_counted():
+def test_a_flush_with_nothing_staged_applies_nothing_and_still_counts():
     """Each kind of staged state (a per-step row, a final row, a batch run's rows) makes a
-    flush apply it and count; a flush right after, with nothing staged, applies nothing and
-    leaves ``flushes`` as it was (an ended episode's rows still read as flushed after it)."""
+    flush apply it; a flush right after, with nothing staged, applies nothing. Both count, so
+    that an episode ended before either reads as flushed after it."""
     buf = SyncEpisodeReplayBuffer(64, 16, storage="tensor", seed=0)
     core = buf._core
     one = buf.start_episode()
@@ -316,7 +316,7 @@ def test_a_flush_with_nothing_staged_applies_nothing_and_is_not_counted():
             assert core.flushes == before + 1
             core.flush()  # nothing staged now
             assert applied.call_count == 1
-            assert core.flushes == before + 1
+            assert core.flushes == before + 2
         assert len(core._stager) == 0
         assert not core._staged_meta
         assert not core._packed.rows

@@ -77,6 +77,45 @@ def test_round_trip_restores_episodes_counters_and_sampling(tmp_path: Path, stor
             same_contents(buf, back)
 
 
+def test_a_buffer_restored_after_a_zero_step_end_evicts_and_samples_as_the_original() -> None:
+    """The save's flush finds nothing staged, right after a zero-step episode ended (it stages
+    nothing). The original and the restored buffer then evict that episode alike (the restored
+    one reads every ended episode as flushed; so must the original), so staged anchors join
+    the anchor set in the same order and seeded draws agree."""
+
+    def after(restore: bool) -> tuple[list[int], torch.Tensor]:
+        buf = SyncEpisodeReplayBuffer(1000, 4, seed=0, storage="tensor")
+        empty = buf.start_episode()  # the oldest: evicted first
+        for j in range(2):
+            e = buf.start_episode()
+            for t in range(5):
+                buf.append_observation_action_reward(e, torch.full((3,), 10.0 * j + t), 0, 1.0)
+            buf.end_episode(e, "terminated", torch.zeros(3))
+        buf.sample_n_step(2)  # a flush: nothing staged after it
+        buf.end_episode(empty, "terminated", torch.zeros(3))  # zero steps: stages nothing
+        state = buf.state_dict()  # its flush finds nothing staged
+        if restore:
+            twin = SyncEpisodeReplayBuffer(1000, 4, storage="tensor")
+            twin.load_state_dict(state)
+            buf.close()
+            buf = twin
+        late = buf.start_episode()
+        for t in range(3):  # staged: their anchors join the set at the next flush
+            buf.append_observation_action_reward(late, torch.full((3,), 100.0 + t), 0, 1.0)
+        buf.start_episode()  # over max_episodes: evicts ``empty``
+        buf.start_episode()  # evicts the first episode with steps, removing its anchors
+        core = buf._core
+        core.flush()
+        anchors = core.anchors.rows[: len(core.anchors)].tolist()
+        batch = buf.sample_n_step(8)["observation"]
+        buf.close()
+        return anchors, batch
+
+    (anchors, batch), (anchors_back, batch_back) = after(False), after(True)
+    assert anchors == anchors_back
+    assert torch.equal(batch, batch_back)
+
+
 def test_checkpoint_loads_into_the_other_storage_kind(tmp_path: Path) -> None:
     with SyncEpisodeReplayBuffer(30, seed=1, storage="tensor", scratch_dir=tmp_path) as buf:
         fill(buf)

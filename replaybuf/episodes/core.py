@@ -130,7 +130,7 @@ class EpisodeCore:
         self.steps = 0
         self.valid_steps = 0
         self.evicted = 0
-        self.flushes = 0  # flushes that wrote or placed something (see Episode.end_flush)
+        self.flushes = 0  # completed flushes (see Episode.end_flush)
         self._stager: RowStager | None = None  # created once the spec is known
         self._plan: RowPlan | None = None  # the per-step fast path, with the stager
         # Bookkeeping staged with the rows: appended per step to flat lists (``list += tuple``
@@ -470,8 +470,10 @@ class EpisodeCore:
             and (stager is None or not len(stager))
         ):
             # Nothing staged (a read after a read, the usual case when sampling): every row is
-            # written and placed. ``flushes`` counts only flushes that applied something, which
-            # eviction's test of an ended episode's rows (``flushed``) still reads correctly.
+            # written and placed, so this counts as a flush as any other does. Eviction reads
+            # the count (``flushed``), and a restored buffer evicts as the saved one would only
+            # if an episode that ended staging nothing (no steps) reads as flushed after it.
+            self.flushes += 1
             return
         if stager is not None and len(stager):
             last = stager.rows[-1]
