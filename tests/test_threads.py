@@ -7,6 +7,7 @@ A thread switch every microsecond makes interleavings inside a call likely.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -196,16 +197,10 @@ def test_an_epoch_iterator_shares_the_buffer_with_a_writer_thread() -> None:
 
 
 def test_a_refused_sample_leaves_the_lock_free_for_other_threads() -> None:
-    """``sample_n_step`` takes its lock by hand: whatever it refuses, another thread can take
-    the lock right after (the lock is re-entrant, so only another thread would see a leak)."""
+    """``sample_n_step`` takes its lock by hand: whatever it refuses or raises, another thread
+    can take the lock right after (the lock is re-entrant, so only another thread would see a
+    leak)."""
     buf = SyncEpisodeReplayBuffer(100, 10, seed=0)
-    refusals = [
-        lambda: buf.sample_n_step(4),  # nothing stored yet
-        lambda: buf.sample_n_step(0),
-        lambda: buf.sample_n_step(4, n=0),
-        lambda: buf.sample_n_step(4, gamma=2.0),
-        lambda: buf.sample_n_step(4, layout="rllib"),
-    ]
 
     def take_and_release(taken: list[bool]) -> None:
         got = buf._lock.acquire(timeout=5)
@@ -213,12 +208,46 @@ def test_a_refused_sample_leaves_the_lock_free_for_other_threads() -> None:
         if got:
             buf._lock.release()
 
-    for refuse in refusals:
-        with pytest.raises((ValueError, TypeError)):
-            refuse()
+    def lock_is_free() -> bool:
         taken: list[bool] = []
         other = threading.Thread(target=take_and_release, args=(taken,))
         other.start()
         other.join()
-        assert taken == [True]
+        return taken == [True]
+
+    def failing_path(*args: object) -> None:
+        raise RuntimeError("the path failed")
+
+    def fill() -> None:
+        episode = buf.start_episode()
+        for t in range(4):
+            buf.append_observation_action_reward(episode, torch.full((3,), float(t)), t, 1.0)
+
+    refusals: list[tuple[Callable[[], object], type[BaseException] | tuple]] = [
+        (lambda: buf.sample_n_step(4), ValueError),  # nothing stored yet
+        (lambda: buf.sample_n_step(0), ValueError),
+        (lambda: buf.sample_n_step("4"), TypeError),
+        (lambda: buf.sample_n_step(4, n=0), ValueError),
+        (lambda: buf.sample_n_step(4, gamma=2.0), ValueError),
+        (lambda: buf.sample_n_step(4, layout="rllib"), ValueError),
+        (fill, ()),  # stored steps from here on
+        (lambda: buf.sample_n_step(10**15), MemoryError),  # more than memory holds
+        (lambda: buf.sample_n_step(4), ()),  # a batch: the paths are chosen now
+    ]
+    for call, expected in refusals:
+        if expected:
+            with pytest.raises(expected):
+                call()
+        else:
+            call()
+        assert lock_is_free()
+    paths = buf._paths
+    assert paths is not None
+    buf._paths = dataclasses.replace(paths, n_step=failing_path)  # the path itself raises
+    with pytest.raises(RuntimeError, match="the path failed"):
+        buf.sample_n_step(4)
+    assert lock_is_free()
     buf.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        buf.sample_n_step(4)
+    assert lock_is_free()
