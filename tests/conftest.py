@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
-from replaybuf.accel.numba_loader import compiled_kernels
+from replaybuf.accel.numba_loader import NUMBA_ENV, compiled_kernels, kernels_unavailable_reason
 
 # On a fresh checkout the first use of replaybuf.accel.numba_kernels compiles them (a few seconds;
 # numba
@@ -72,6 +72,18 @@ def make_buffer(tmp_path):
 def storage(request) -> str:
     """Both CPU storage kinds: every test using it runs once per kind."""
     return request.param
+
+
+@pytest.fixture(params=["kernels", "numpy"])
+def by_address(request, monkeypatch) -> bool:
+    """Whether the per-step fast paths copy tensors from their addresses (the compiled kernels
+    run) or through numpy() (``REPLAYBUF_NUMBA=0``): the buffers a test makes take that path."""
+    if request.param == "numpy":
+        monkeypatch.setenv(NUMBA_ENV, "0")
+        return False
+    if compiled_kernels() is None:
+        pytest.skip(f"the compiled kernels do not run: {kernels_unavailable_reason()}")
+    return True
 
 
 @pytest.fixture

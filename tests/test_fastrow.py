@@ -15,7 +15,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
@@ -117,20 +117,29 @@ def values_of(kind: str, rng: np.random.Generator):
         return torch.from_numpy(obs), torch.tensor(int(act)), torch.tensor(reward).float()
     if kind == "grad":  # a tensor that requires grad is stored detached
         return torch.from_numpy(obs).requires_grad_(), torch.tensor(int(act)), reward
+    if kind == "views":  # a view at an offset; a 0-d view with torch's negative bit
+        doubled = torch.from_numpy(np.concatenate([obs, obs]))
+        negative = torch.complex(torch.tensor(0.0), torch.tensor(-reward)).conj().imag
+        return doubled[5:], torch.tensor(int(act)), negative
     return obs.tolist(), int(act), reward  # lists: always the general path
 
 
-@settings(max_examples=25, deadline=None)
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     kinds=st.lists(
-        st.sampled_from(["numpy", "torch", "grad", "lists", "end"]), min_size=1, max_size=60
+        st.sampled_from(["numpy", "torch", "grad", "views", "lists", "end"]),
+        min_size=1,
+        max_size=60,
     ),
     seed=st.integers(0, 2**16),
     max_steps=st.sampled_from([6, 13, 64]),
 )
-def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
+def test_fast_and_general_paths_store_the_same_rows(by_address, kinds, seed, max_steps):
     """Including appends that must evict first (small ``max_steps``): the fast path checks the
-    values, flushes, evicts and stages in the order the general path does."""
+    values, flushes, evicts and stages in the order the general path does; tensors copied
+    from their addresses or through numpy() alike."""
     rng = np.random.default_rng(seed)
     final = np.zeros(5, np.float32)
     with (
@@ -142,7 +151,11 @@ def test_fast_and_general_paths_store_the_same_rows(kinds, seed, max_steps):
         for buf in (fast, slow):
             ep = buf.start_episode()
             buf.append_observation_action_reward(ep, *first)
+        plan = fast._core._plan
+        assert plan is not None
+        assert (plan.copy_row is not None) is by_address
         for kind in kinds:
+            assert not plan.sources.any()  # no address stays from one call to the next
             if kind == "end":
                 last = final_of(FINAL_KINDS[int(rng.integers(len(FINAL_KINDS)))], rng)
                 same_outcome(fast, slow, "end_episode", ep, "truncated", last)
@@ -423,9 +436,10 @@ def test_a_batch_of_tensors_is_copied_in_one_call_and_anything_else_through_nump
         lambda: torch.arange(17, dtype=torch.float32).requires_grad_(),  # declined: detached
     ],
 )
-def test_tensor_observations_are_copied_as_the_general_path_stores_them(make):
-    """The per-step path copies a CPU tensor into a kept view of its staging row; whatever the
-    tensor's strides, neg bit, memory or grad, the stored row is the general path's."""
+def test_tensor_observations_are_copied_as_the_general_path_stores_them(by_address, make):
+    """The per-step path copies a CPU tensor into its staging row (from its address, or
+    through numpy()); whatever the tensor's strides, neg bit, memory or grad, the stored row
+    is the general path's."""
     fast = SyncEpisodeReplayBuffer(100, storage="tensor")
     slow = general_path_only(SyncEpisodeReplayBuffer(100, storage="tensor"))
     for buf in (fast, slow):

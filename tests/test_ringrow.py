@@ -104,6 +104,9 @@ def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
                 "wrong shape",
                 "grad",
                 "strided",
+                "offset",
+                "negative",
+                "sparse",
                 "list",
                 "none",
                 "text",
@@ -147,6 +150,17 @@ def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
         if not dtype.is_floating_point:
             return torch.from_numpy(base.copy())
         return torch.from_numpy(base.copy()).requires_grad_()
+    if kind == "offset":  # a contiguous view at an offset into a larger tensor
+        doubled = torch.from_numpy(np.concatenate([base.reshape(-1), base.reshape(-1)]))
+        return doubled[numel:].view(shape)
+    if kind == "negative":  # a view with torch's negative bit (numpy() refuses it)
+        if dtype not in (torch.float32, torch.float64):
+            return torch.from_numpy(base.copy())
+        complex_dtype = torch.complex64 if dtype is torch.float32 else torch.complex128
+        pairs = torch.complex(torch.zeros(shape, dtype=dtype), -torch.from_numpy(base.copy()))
+        return pairs.to(complex_dtype).conj().imag
+    if kind == "sparse":
+        return torch.from_numpy(base.copy()).to_sparse() if shape else torch.from_numpy(base)
     if kind == "strided":  # a non-contiguous view of the right shape
         wide = np.repeat(base[..., None], 2, axis=-1)[..., 0] if shape else base.copy()
         return torch.from_numpy(wide) if draw(st.booleans()) else wide
@@ -203,15 +217,18 @@ def pair(tmp_path, storage: str, capacity: int, prioritized: bool):
 )
 @given(steps=st.lists(experiences(), min_size=1, max_size=12))
 def test_fast_path_stores_and_refuses_as_the_general_path(
-    tmp_path, storage, capacity, prioritized, steps
+    tmp_path, by_address, storage, capacity, prioritized, steps
 ):
     fast, general = pair(tmp_path, storage, capacity, prioritized)
     try:
-        assert isinstance(row_writer(fast._slots), RingRow)
+        writer = row_writer(fast._slots)
+        assert isinstance(writer, RingRow)
+        assert (writer.copy_row is not None) is by_address
         for experience in steps:
             got = _outcome(ReplayBuffer.add, fast, experience)
             want = _outcome(general_add, general, experience)
             assert got == want
+            assert not writer.sources.any()  # no address stays for the next call
             same_state(state(fast), state(general))
         if prioritized:
             assert torch.equal(fast.sample_batch(8)["index"], general.sample_batch(8)["index"])
@@ -263,31 +280,44 @@ def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():
         assert buf.size == 2
 
 
+NEGATIVE = torch.complex(torch.zeros(3), -torch.arange(3.0)).conj().imag  # [0, 1, 2], neg bit
+
+
 @pytest.mark.parametrize(
     ("obs", "taken"),
     [
         (torch.zeros(3, device="meta"), False),
         (torch.zeros(3).to_sparse(), False),
-        (torch.zeros(3, requires_grad=True), False),
+        (torch.zeros(3, requires_grad=True), "by address"),
         (torch.zeros(3, dtype=torch.bfloat16), False),
         (torch.zeros(3, dtype=torch.float64), False),
         (torch.zeros(3, dtype=torch.int32), False),
         (torch.zeros(1, 3), False),
         (torch.arange(6.0)[::2], True),  # a strided view: numpy reads it as is
+        (torch.arange(6.0)[3:], True),  # a contiguous view at an offset
+        (NEGATIVE, False),
     ],
-    ids=["meta", "sparse", "grad", "bfloat16", "float64", "int32", "shape", "strided"],
-)
-def test_shaped_tensors_are_checked_through_numpy_as_the_general_path(tmp_path, obs, taken):
-    """The row writer checks a shaped tensor through its numpy() array: what numpy() refuses
-    or what differs there in dtype or shape is declined with nothing written, and the general
-    path then stores or refuses it as it would without the fast path."""
+    ids=[
+        "meta", "sparse", "grad", "bfloat16", "float64", "int32", "shape", "strided", "offset",
+        "negative",
+    ],
+)  # fmt: skip
+def test_shaped_tensors_are_checked_as_the_general_path(tmp_path, by_address, obs, taken):
+    """The row writer checks a shaped tensor's dtype, shape, device and layout, then copies it
+    from its address (contiguous, no negative bit) or through its numpy() array: what it
+    refuses is declined with nothing written, and the general path then stores or refuses it
+    as it would without the fast path. A tensor needing grad is copied by address (the general
+    path stores its values too) but refused by numpy()."""
     fast, general = pair(tmp_path, "tensor", 5, False)
     try:
         writer = row_writer(fast._slots)
         assert isinstance(writer, RingRow)
         experience = {**FIRST, "obs": obs}
         before = state(fast)
+        if taken == "by address":
+            taken = by_address
         assert (writer(experience) >= 0) is taken
+        assert not writer.sources.any()  # no address stays for the next call
         if taken:  # the writer alone wrote it: the ring counts it as add would
             fast._advance(1)
             general_add(general, experience)

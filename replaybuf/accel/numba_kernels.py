@@ -11,8 +11,9 @@ descends one mass at a time, and the numpy n-step path makes ~25 numpy calls. Th
 take one step for all the walks at once, so their loads are independent and overlap, and do all
 the steps in one call.
 
-The frame-stack and n-step window kernels live in :mod:`replaybuf.accel.numba_nstep` and are
-members here too.
+The frame-stack and n-step window kernels live in :mod:`replaybuf.accel.numba_nstep`, the copy
+of a row from tensors' addresses in :mod:`replaybuf.accel.numba_rows`; both are members here
+too.
 Callers load this module through :mod:`replaybuf.accel.numba_loader`, and run their numpy paths
 where it does not load. The kernels compute what those paths compute, with the same float
 operations in the same order (the tests check them against each other; the one exception is
@@ -30,6 +31,7 @@ from replaybuf.accel.numba_nstep import frame_nstep as frame_nstep
 from replaybuf.accel.numba_nstep import nstep_windows as nstep_windows
 from replaybuf.accel.numba_nstep import stack_rows as stack_rows
 from replaybuf.accel.numba_nstep import window_stacks as window_stacks
+from replaybuf.accel.numba_rows import copy_row as copy_row
 
 _F64 = types.float64[::1]
 _F64_2D = types.float64[:, ::1]

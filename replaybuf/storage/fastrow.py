@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
 from replaybuf.storage.schema import FieldSpec
 
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
@@ -45,12 +46,21 @@ class RowPlan:
         self, spec: FieldSpec, sources: list[tuple[int, str | None]], arrays: list[np.ndarray]
     ) -> None:
         # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
-        # its staging column's numpy view, whether a Python float goes straight in).
+        # its staging column's numpy view, whether a Python float goes straight in, its
+        # position, when a tensor's bytes go in from its address: replaybuf.storage.addresses).
         self.fields: list[tuple[Any, ...]] = []
-        for (arg, name), key, array in zip(sources, spec, arrays, strict=True):
+        # Tensors copied from their addresses in one call: the copy, the columns' layout, and
+        # each call's addresses (0: none; copy_row sets them back to 0).
+        self.copy_row = copy = row_copier(arrays)
+        self.layout = layout(arrays)
+        self.sources = np.zeros(len(arrays), np.int64)
+        for at, ((arg, name), key, array) in enumerate(zip(sources, spec, arrays, strict=True)):
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
-            self.fields.append((arg, name, shape, dtype, array.dtype, array, takes_float))
+            address = by_address(copy, dtype, shape)
+            self.fields.append(
+                (arg, name, shape, dtype, array.dtype, array, takes_float, at, address)
+            )
         self._columns = [torch.from_numpy(array) for array in arrays]  # put_finals' tensors
         self.extras = {name for arg, name in sources if arg == 3}
         self.arrays = arrays
@@ -86,35 +96,60 @@ class RowPlan:
         On False some columns' row ``at`` may hold this step's values: the caller has not
         staged that row yet, so nothing it holds changed. This is the per-step hot path, so the
         exact matches the callers pass most (numpy arrays, CPU tensors, floats) are tested
-        inline and the rest go through :func:`fast_value`.
+        inline and the rest go through :func:`fast_value`. Contiguous CPU tensors are copied
+        from their addresses, all in one call at the end (see replaybuf.storage.addresses).
         """
         extras = step[3]
         if not self._extras_fit(extras):
             return False
-        for arg, name, shape, dtype, np_dtype, array, takes_float in self.fields:
+        sources = self.sources
+        addressed = checked = False
+        for arg, name, shape, dtype, np_dtype, array, takes_float, field, address_of in self.fields:
             value = step[arg] if name is None else extras[name]
             kind = type(value)
             if kind is np.ndarray:
                 if value.dtype != np_dtype or value.shape != shape:
-                    return False
+                    break
             elif kind is torch.Tensor:
-                if value.dtype is not dtype or not value.is_cpu or value.shape != shape:
-                    return False
-                try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
-                    value = value.numpy()
+                if (
+                    value.dtype is not dtype
+                    or not value.is_cpu
+                    or value.shape != shape
+                    or value.layout is not _STRIDED
+                ):
+                    break
+                try:  # data_ptr() and numpy() refuse tensors without storage (vmap's)
+                    if (
+                        address_of
+                        and (address_of == ALWAYS or value.is_contiguous())
+                        and not value.is_neg()
+                    ):
+                        address = value.data_ptr()
+                        if address:  # 0: no memory (a zero tensor's; numpy() decides)
+                            sources[field] = address
+                            addressed = True
+                            continue
+                    value = value.numpy()  # refuses grad and lazy conj/neg views too
                 except _NO_VIEW:
-                    return False  # the general path detaches and copies, or refuses, those
+                    break  # the general path detaches and copies, or refuses, those
             elif not (kind is float and takes_float):
                 value = fast_value(value, shape, dtype, np_dtype)
                 if value is None:
-                    return False
+                    break
             array[at] = value
-        return True
+        else:
+            checked = True
+        if addressed:
+            if not checked:
+                sources.fill(0)  # no address of this call may stay for the next
+                return False
+            self.copy_row(self.layout, sources, at)  # type: ignore[misc]
+        return checked
 
     def stage_final(self, at: int, observation: Any) -> bool:
         """Write an episode's final observation into row ``at`` and zeros into the row's other
         fields (as :meth:`stage`: False, with row ``at`` not staged, when it does not fit)."""
-        for arg, _, shape, dtype, np_dtype, array, _ in self.fields:
+        for arg, _, shape, dtype, np_dtype, array, *_ in self.fields:
             if arg != 0:
                 array[at] = 0
                 continue
@@ -128,7 +163,7 @@ class RowPlan:
         """``observations`` if it is ``count`` final observations as :meth:`put_finals` takes
         them (a numpy array, or a strided CPU tensor needing no grad, of the observation
         field's dtype and shape ``[count, *shape]``), else None."""
-        for arg, _, shape, dtype, np_dtype, _, _ in self.fields:
+        for arg, _, shape, dtype, np_dtype, *_ in self.fields:
             if arg != 0:
                 continue
             kind = type(observations)
@@ -151,7 +186,7 @@ class RowPlan:
         """Final-observation rows from row ``at`` on: ``observations`` (from
         :meth:`final_batch`) in the observation field, zeros in the others."""
         end = at + len(observations)
-        for (arg, *_, array, _), column in zip(self.fields, self._columns, strict=True):
+        for (arg, _, _, _, _, array, *_), column in zip(self.fields, self._columns, strict=True):
             if arg != 0:
                 array[at:end] = 0
             elif type(observations) is torch.Tensor:
@@ -176,7 +211,7 @@ class RowPlan:
             if tensors is not None:
                 return tensors
         out = []
-        for arg, name, shape, dtype, np_dtype, _, _ in self.fields:
+        for arg, name, shape, dtype, np_dtype, *_ in self.fields:
             value = step[arg] if name is None else extras[name]
             value = fast_value(value, (count, *shape), dtype, np_dtype)  # no numbers: shape > 0
             if value is None:

@@ -42,9 +42,7 @@ class RingChunk:
 
     def __init__(self, row: RingRow) -> None:
         # Per field name: its position, torch dtype and row shape.
-        self.fields = {
-            name: (i, dtype, shape) for i, (name, dtype, shape, *_) in enumerate(row.fields)
-        }
+        self.fields = {name: (at, dtype, shape) for at, name, dtype, shape, *_ in row.fields}
         self.views = row.views
         self.index = row.index
         self.book = row.book

@@ -6,8 +6,10 @@ The general path (:func:`~replaybuf.storage.convert.to_leaves` or
 check, ``SlotStorage.extend`` with TorchRL's bookkeeping through its state dicts) makes a few
 dozen Python and torch calls per row. Here a dict whose every value already has its field's
 exact shape and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds)
-is checked whole, then each value is assigned into the numpy view of its column at TorchRL's
-writer cursor, and TorchRL's counters are advanced as its ``extend`` of one row would
+is checked whole, then written at TorchRL's writer cursor: contiguous CPU tensors copied from
+their addresses by one compiled call (:func:`~replaybuf.accel.numba_rows.copy_row`, where the
+kernels run), every other value assigned into the numpy view of its column. TorchRL's counters
+are then advanced as its ``extend`` of one row would
 (:class:`~replaybuf.storage.torchrl_state.RowBookkeeping`). Anything else is declined, before
 anything is written, and takes the general path, which converts what it can and raises the
 precise error: this module never raises for a value and never writes a row it did not check
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
 from replaybuf.storage.slots import SlotStorage
 from replaybuf.storage.torchrl_state import RowBookkeeping, row_bookkeeping
 
@@ -57,10 +60,18 @@ class RingRow:
         index: np.ndarray | None,
         book: RowBookkeeping,
     ) -> None:
-        # Per field: (name, torch dtype, shape, numpy dtype, numpy scalar type, the Python
-        # number type it takes (float, bool, int or None), and that number's limits).
+        # Per field: (its position, name, torch dtype, shape, numpy dtype, numpy scalar type,
+        # the Python number type it takes (float, bool, int or None), that number's limits,
+        # when a tensor's bytes go in from its address (replaybuf.storage.addresses), and its
+        # column's numpy view).
         self.fields: list[tuple[Any, ...]] = []
-        for name, dtype, shape, view in fields:
+        self.views = [view for *_, view in fields]
+        # Tensors copied from their addresses in one call: the copy, the columns' layout, and
+        # each call's addresses (0: none; copy_row sets them back to 0).
+        self.copy_row = copy = row_copier(self.views)
+        self.layout = layout(self.views)
+        self.sources = np.zeros(len(fields), np.int64)
+        for at, (name, dtype, shape, view) in enumerate(fields):
             number: type | None = None
             limits: tuple[float, float] = (0, -1)
             if shape == ():
@@ -75,8 +86,9 @@ class RingRow:
                     number = int
                     info = np.iinfo(view.dtype)
                     limits = (int(info.min), int(info.max))
-            self.fields.append((name, dtype, shape, view.dtype, view.dtype.type, number, limits))
-        self.views = [view for *_, view in fields]
+            numpy_types = (view.dtype, view.dtype.type)
+            tail = (number, limits, by_address(copy, dtype, shape), view)
+            self.fields.append((at, name, dtype, shape, *numpy_types, *tail))
         self.count = len(fields)
         self.slots = slots
         self.index = index  # TorchRL's index column (each row's own slot), or None
@@ -87,52 +99,72 @@ class RingRow:
         it is not a dict of exactly the spec's fields, each an exact match."""
         if type(experience) is not dict or len(experience) != self.count:
             return -1
-        values = []
+        values: list[tuple[np.ndarray, Any]] = []  # (view, value) of fields not copied by address
+        sources = self.sources
+        addressed = checked = False
         try:
-            for name, dtype, shape, np_dtype, scalar, number, limits in self.fields:
+            for field in self.fields:
+                at, name, dtype, shape, np_dtype, scalar, number, limits, address_of, view = field
                 value = experience[name]
                 kind = type(value)
                 if kind is np.ndarray:
                     # `is` first: numpy's native dtypes are singletons, and cheaper to compare
                     got = value.dtype
                     if (got is not np_dtype and got != np_dtype) or value.shape != shape:
-                        return -1
+                        break
                 elif kind is torch.Tensor:
-                    if shape == ():
-                        if value.dtype is not dtype or value.shape != shape:
-                            return -1
-                        if not value.is_cpu or value.layout is not _STRIDED:
-                            return -1
-                        value = value.item()  # exact: a Python number holds any 0-d value
-                    else:
-                        # numpy() refuses what the general path must see (other devices and
-                        # layouts, grad, conj/neg views) and, numpy and torch dtypes matching
-                        # one to one, its array's dtype and shape are the tensor's: checked
-                        # there, as numpy's attributes cost less than torch's.
-                        value = value.numpy()
-                        got = value.dtype
-                        if (got is not np_dtype and got != np_dtype) or value.shape != shape:
-                            return -1
+                    if (
+                        value.dtype is not dtype
+                        or value.shape != shape
+                        or not value.is_cpu
+                        or value.layout is not _STRIDED
+                    ):
+                        break
+                    if (
+                        address_of
+                        and (address_of == ALWAYS or value.is_contiguous())
+                        and not value.is_neg()
+                    ):
+                        address = value.data_ptr()
+                        if address:  # 0: no storage (the numpy path decides)
+                            sources[at] = address
+                            addressed = True
+                            continue
+                    # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
+                    # numpy() refuses what the general path must see (grad, conj/neg views)
+                    value = value.item() if shape == () else value.numpy()
                 elif kind is scalar:  # a numpy scalar of the field's dtype
                     if shape != ():
-                        return -1
+                        break
                 elif kind is not number:  # bool is no int here: type() is exact
-                    return -1
+                    break
                 elif kind is int:
                     if not limits[0] <= value <= limits[1]:
-                        return -1
+                        break
                 elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
-                    return -1
-                values.append(value)
+                    break
+                values.append((view, value))
+            else:
+                checked = True
         except KeyError:  # a name the spec lacks (as many keys as fields): the general path
-            return -1
+            pass
         except _NO_VIEW:  # a tensor numpy cannot view: the general path detaches or refuses
+            pass
+        if not checked:
+            if addressed:
+                sources.fill(0)  # no address of this call may stay for the next
             return -1
         slots, book = self.slots, self.book
         slot = book.cursor.value
         if slot >= slots._reserved:  # memmap files grow ahead of the rows (may raise: unwritten)
-            slots._reserve(slot + 1)
-        for view, value in zip(self.views, values, strict=True):
+            try:
+                slots._reserve(slot + 1)
+            except BaseException:
+                sources.fill(0)
+                raise
+        if addressed:
+            self.copy_row(self.layout, sources, slot)  # type: ignore[misc]
+        for view, value in values:
             view[slot] = value
         if slot >= slots._index_known and self.index is not None:
             self.index[slot] = slot  # TorchRL's index column, written on the ring's first pass

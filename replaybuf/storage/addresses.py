@@ -1,0 +1,50 @@
+"""What the per-step fast paths need to copy CPU tensors into a row by address: the compiled
+copy (:func:`replaybuf.accel.numba_rows.copy_row`), the columns' layout it takes, and which
+fields' tensors may go that way.
+
+A tensor's bytes are copied from its ``data_ptr()`` only after its caller checked, inline, that
+it is a strided CPU tensor of the field's exact dtype and shape, contiguous (always so when 0-d)
+and without torch's negative bit: then its bytes are the values it holds, row-major. Complex
+fields never go this way (a conjugate bit would need checking too); their tensors take numpy().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from replaybuf.accel.numba_loader import compiled_kernels
+
+CopyRow = Callable[[np.ndarray, np.ndarray, int], None]  # (layout, sources, row)
+# A field's tensors: never copied by address, copied when contiguous, always (0-d: contiguous).
+NEVER, CONTIGUOUS, ALWAYS = 0, 1, 2
+
+
+def row_copier(columns: list[np.ndarray]) -> CopyRow | None:
+    """The compiled row copy for ``columns`` (numpy views, ``[rows, ...]`` each), or None where
+    the kernels do not run or a column's rows are not contiguous."""
+    kernels = compiled_kernels()
+    if kernels is None or not all(column.flags.c_contiguous for column in columns):
+        return None
+    copy_row: CopyRow = kernels.copy_row
+    return copy_row
+
+
+def layout(columns: list[np.ndarray]) -> np.ndarray:
+    """``copy_row``'s read-only layout of ``columns``: (address, row stride, row bytes) each."""
+    rows = [
+        (column.__array_interface__["data"][0], column.strides[0], column[0].nbytes)
+        for column in columns
+    ]
+    out = np.array(rows, np.int64).reshape(-1, 3)
+    out.flags.writeable = False
+    return out
+
+
+def by_address(copy_row: CopyRow | None, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """When a field's tensors are copied by address: NEVER, CONTIGUOUS or ALWAYS."""
+    if copy_row is None or dtype.is_complex:
+        return NEVER
+    return ALWAYS if shape == () else CONTIGUOUS
