@@ -286,6 +286,30 @@ def test_a_value_the_fast_path_declines_before_an_eviction_evicts_nothing():
         assert buf.get_episode(ep)["action"].tolist() == [0, 1]
 
 
+def test_an_interrupt_inside_a_staging_leaves_no_address_for_the_next_step(monkeypatch):
+    """Tensors' addresses noted before an interrupt (here raised where a Python int reward, the
+    last field, is checked) are cleared as the interrupt leaves: the next step, whose values
+    are numpy, stores its own values, not bytes read from the old addresses."""
+    with SyncEpisodeReplayBuffer(16, storage="tensor") as buf:
+        ep = buf.start_episode()
+        buf.append_observation_action_reward(ep, np.zeros(3, np.float32), 0, 1.0)
+        plan = buf._core._plan
+        if plan is None or plan.copy_row is None:
+            pytest.skip("the compiled kernels do not run here")
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr("replaybuf.storage.fastrow.fast_value", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            buf.append_observation_action_reward(ep, torch.full((3,), 9.0), torch.tensor(1), 1)
+        assert not plan.sources.any()
+        monkeypatch.undo()
+        buf.append_observation_action_reward(ep, np.full(3, 2.0, np.float32), np.array(2), 1.0)
+        buf.end_episode(ep, "terminated", np.zeros(3, np.float32))
+        assert buf.get_episode(ep)["observation"].tolist() == [[0.0] * 3, [2.0] * 3, [0.0] * 3]
+
+
 def test_nested_fields_get_no_plan():
     spec = spec_of(
         {

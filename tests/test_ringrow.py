@@ -261,6 +261,31 @@ def test_fast_path_is_taken_for_exact_inputs_and_declines_the_rest():
         assert buf.memory.writer.state_dict() == {"_cursor": 2, "_write_count": 2}
 
 
+def test_an_interrupt_before_the_copy_leaves_no_address_for_the_next_add(tmp_path, monkeypatch):
+    """Addresses noted before an interrupt (here raised as the memmap files grow) are cleared
+    as it leaves: nothing is written, and the next add reads no old address."""
+    with ReplayBuffer("cpu", "cpu", 8, storage="memmap", scratch_dir=tmp_path, spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        writer = row_writer(buf._slots)
+        assert isinstance(writer, RingRow)
+        if writer.copy_row is None:
+            pytest.skip("the compiled kernels do not run here")
+        before = state(buf)
+
+        def interrupted(stop):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(buf._slots, "_reserved", 1)  # the next row must grow the files
+        monkeypatch.setattr(buf._slots, "_reserve", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            buf.add({**FIRST, "obs": torch.ones(3), "reward": torch.tensor(2.0)})
+        assert not writer.sources.any()
+        monkeypatch.undo()
+        same_state(state(buf), before)
+        buf.add(dict(FIRST))
+        assert buf.sample_all()["obs"].tolist() == [[0.0] * 3] * 2
+
+
 def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():
     with ReplayBuffer("cpu", "cpu", 4, storage="tensor") as buf:
         buf.add({"x": torch.zeros(2)})

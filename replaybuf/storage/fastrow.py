@@ -104,46 +104,51 @@ class RowPlan:
             return False
         sources = self.sources
         addressed = checked = False
-        for arg, name, shape, dtype, np_dtype, array, takes_float, field, address_of in self.fields:
-            value = step[arg] if name is None else extras[name]
-            kind = type(value)
-            if kind is np.ndarray:
-                if value.dtype != np_dtype or value.shape != shape:
-                    break
-            elif kind is torch.Tensor:
-                if (
-                    value.dtype is not dtype
-                    or not value.is_cpu
-                    or value.shape != shape
-                    or value.layout is not _STRIDED
-                ):
-                    break
-                try:  # data_ptr() and numpy() refuse tensors without storage (vmap's)
+        try:
+            for field in self.fields:
+                arg, name, shape, dtype, np_dtype, array, takes_float, column, address_of = field
+                value = step[arg] if name is None else extras[name]
+                kind = type(value)
+                if kind is np.ndarray:
+                    if value.dtype != np_dtype or value.shape != shape:
+                        break
+                elif kind is torch.Tensor:
                     if (
-                        address_of
-                        and (address_of == ALWAYS or value.is_contiguous())
-                        and not value.is_neg()
+                        value.dtype is not dtype
+                        or not value.is_cpu
+                        or value.shape != shape
+                        or value.layout is not _STRIDED
                     ):
-                        address = value.data_ptr()
-                        if address:  # 0: no memory (a zero tensor's; numpy() decides)
-                            sources[field] = address
-                            addressed = True
-                            continue
-                    value = value.numpy()  # refuses grad and lazy conj/neg views too
-                except _NO_VIEW:
-                    break  # the general path detaches and copies, or refuses, those
-            elif not (kind is float and takes_float):
-                value = fast_value(value, shape, dtype, np_dtype)
-                if value is None:
-                    break
-            array[at] = value
-        else:
-            checked = True
-        if addressed:
-            if not checked:
-                sources.fill(0)  # no address of this call may stay for the next
-                return False
-            self.copy_row(self.layout, sources, at)  # type: ignore[misc]
+                        break
+                    try:  # data_ptr() and numpy() refuse tensors without storage (vmap's)
+                        if (
+                            address_of
+                            and (address_of == ALWAYS or value.is_contiguous())
+                            and not value.is_neg()
+                        ):
+                            address = value.data_ptr()
+                            if address:  # 0: no memory (a zero tensor's; numpy() decides)
+                                sources[column] = address
+                                addressed = True
+                                continue
+                        value = value.numpy()  # refuses grad and lazy conj/neg views too
+                    except _NO_VIEW:
+                        break  # the general path detaches and copies, or refuses, those
+                elif not (kind is float and takes_float):
+                    value = fast_value(value, shape, dtype, np_dtype)
+                    if value is None:
+                        break
+                array[at] = value
+            else:
+                checked = True
+            if addressed:
+                if not checked:
+                    sources.fill(0)  # no address of this call may stay for the next
+                    return False
+                self.copy_row(self.layout, sources, at)  # type: ignore[misc]
+        except BaseException:  # an interrupt: no address of this call may stay for the next
+            sources.fill(0)
+            raise
         return checked
 
     def stage_final(self, at: int, observation: Any) -> bool:

@@ -103,67 +103,69 @@ class RingRow:
         sources = self.sources
         addressed = checked = False
         try:
-            for field in self.fields:
-                at, name, dtype, shape, np_dtype, scalar, number, limits, address_of, view = field
-                value = experience[name]
-                kind = type(value)
-                if kind is np.ndarray:
-                    # `is` first: numpy's native dtypes are singletons, and cheaper to compare
-                    got = value.dtype
-                    if (got is not np_dtype and got != np_dtype) or value.shape != shape:
-                        break
-                elif kind is torch.Tensor:
-                    if (
-                        value.dtype is not dtype
-                        or value.shape != shape
-                        or not value.is_cpu
-                        or value.layout is not _STRIDED
-                    ):
-                        break
-                    if (
-                        address_of
-                        and (address_of == ALWAYS or value.is_contiguous())
-                        and not value.is_neg()
-                    ):
-                        address = value.data_ptr()
-                        if address:  # 0: no storage (the numpy path decides)
-                            sources[at] = address
-                            addressed = True
-                            continue
-                    # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
-                    # numpy() refuses what the general path must see (grad, conj/neg views)
-                    value = value.item() if shape == () else value.numpy()
-                elif kind is scalar:  # a numpy scalar of the field's dtype
-                    if shape != ():
-                        break
-                elif kind is not number:  # bool is no int here: type() is exact
-                    break
-                elif kind is int:
-                    if not limits[0] <= value <= limits[1]:
-                        break
-                elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
-                    break
-                values.append((view, value))
-            else:
-                checked = True
-        except KeyError:  # a name the spec lacks (as many keys as fields): the general path
-            pass
-        except _NO_VIEW:  # a tensor numpy cannot view: the general path detaches or refuses
-            pass
-        if not checked:
-            if addressed:
-                sources.fill(0)  # no address of this call may stay for the next
-            return -1
-        slots, book = self.slots, self.book
-        slot = book.cursor.value
-        if slot >= slots._reserved:  # memmap files grow ahead of the rows (may raise: unwritten)
             try:
+                for field in self.fields:
+                    at, name, dtype, shape, np_dtype, scalar, number, limits, address_of, view = (
+                        field
+                    )
+                    value = experience[name]
+                    kind = type(value)
+                    if kind is np.ndarray:
+                        # `is` first: numpy's native dtypes are singletons, and cheaper to compare
+                        got = value.dtype
+                        if (got is not np_dtype and got != np_dtype) or value.shape != shape:
+                            break
+                    elif kind is torch.Tensor:
+                        if (
+                            value.dtype is not dtype
+                            or value.shape != shape
+                            or not value.is_cpu
+                            or value.layout is not _STRIDED
+                        ):
+                            break
+                        if (
+                            address_of
+                            and (address_of == ALWAYS or value.is_contiguous())
+                            and not value.is_neg()
+                        ):
+                            address = value.data_ptr()
+                            if address:  # 0: no storage (the numpy path decides)
+                                sources[at] = address
+                                addressed = True
+                                continue
+                        # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
+                        # numpy() refuses what the general path must see (grad, conj/neg views)
+                        value = value.item() if shape == () else value.numpy()
+                    elif kind is scalar:  # a numpy scalar of the field's dtype
+                        if shape != ():
+                            break
+                    elif kind is not number:  # bool is no int here: type() is exact
+                        break
+                    elif kind is int:
+                        if not limits[0] <= value <= limits[1]:
+                            break
+                    elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
+                        break
+                    values.append((view, value))
+                else:
+                    checked = True
+            except KeyError:  # a name the spec lacks (as many keys as fields): the general path
+                pass
+            except _NO_VIEW:  # a tensor numpy cannot view: the general path detaches or refuses
+                pass
+            if not checked:
+                if addressed:
+                    sources.fill(0)  # no address of this call may stay for the next
+                return -1
+            slots, book = self.slots, self.book
+            slot = book.cursor.value
+            if slot >= slots._reserved:  # memmap files grow ahead of the rows (may raise)
                 slots._reserve(slot + 1)
-            except BaseException:
-                sources.fill(0)
-                raise
-        if addressed:
-            self.copy_row(self.layout, sources, slot)  # type: ignore[misc]
+            if addressed:
+                self.copy_row(self.layout, sources, slot)  # type: ignore[misc]
+        except BaseException:  # an interrupt, or no room on disk: nothing written, and no
+            sources.fill(0)  # address of this call may stay for the next
+            raise
         for view, value in values:
             view[slot] = value
         if slot >= slots._index_known and self.index is not None:
