@@ -286,6 +286,67 @@ def test_an_interrupt_before_the_copy_leaves_no_address_for_the_next_add(tmp_pat
         assert buf.sample_all()["obs"].tolist() == [[0.0] * 3] * 2
 
 
+def test_a_zero_d_bool_tensor_of_any_nonzero_byte_is_stored_as_true(by_address):
+    """A 0-d bool tensor is read as a bool, never copied as a byte: a uint8 tensor viewed as
+    bool with byte 2 stores 1, as the general path stores it."""
+    odd = torch.tensor(2, dtype=torch.uint8).view(torch.bool)
+    assert odd.view(torch.uint8).item() == 2
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        assert row_writer(buf._slots)({**FIRST, "done": odd}) == 1  # the fast path took it
+        buf._advance(1)
+        assert buf.sample_all()["done"].view(torch.uint8).tolist() == [0, 1]
+
+
+def test_tensors_without_memory_of_their_own_are_never_read_as_bytes(by_address):
+    """Inside ``torch.func.functionalize`` a tensor's ``data_ptr()`` is 0 and ``numpy()``
+    would view whatever lies there: the fast row and chunk writers decline such tensors, so
+    the general path refuses them and nothing is stored."""
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        before = state(buf)
+        refused = []
+
+        def inside(x):
+            y = x * 2
+            for write in (
+                lambda: buf.add({**FIRST, "obs": y}),
+                lambda: buf.add_batch({k: torch.as_tensor(v)[None] for k, v in FIRST.items()}
+                                      | {"obs": y[None]}),
+            ):  # fmt: skip
+                try:
+                    write()
+                except Exception as exc:  # the general path's own refusal
+                    refused.append(type(exc))
+            return y
+
+        torch.func.functionalize(inside)(torch.ones(3))
+        assert len(refused) == 2
+        same_state(state(buf), before)
+
+
+def test_an_add_nested_in_an_add_leaves_the_outer_rows_tensors_intact(by_address):
+    """User code run while a transition is checked (here a key's ``__eq__``) may add another
+    transition: the nested add takes the general path, and the outer one still stores its
+    own tensors (a shared address list would have lost them)."""
+
+    class Key(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other):
+            buf.add({**FIRST, "obs": torch.full((3,), 7.0)})
+            return str.__eq__(self, other)
+
+    with ReplayBuffer("cpu", "cpu", 8, storage="tensor", spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        outer = {**FIRST, "obs": torch.full((3,), 5.0)}
+        del outer["value"]
+        outer[Key("value")] = 0.0
+        buf.add(outer)
+        assert not row_writer(buf._slots).sources.any()
+        assert buf.sample_all()["obs"][:, 0].tolist() == [0.0, 7.0, 5.0]
+
+
 def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():
     with ReplayBuffer("cpu", "cpu", 4, storage="tensor") as buf:
         buf.add({"x": torch.zeros(2)})
@@ -321,10 +382,11 @@ NEGATIVE = torch.complex(torch.zeros(3), -torch.arange(3.0)).conj().imag  # [0, 
         (torch.arange(6.0)[::2], True),  # a strided view: numpy reads it as is
         (torch.arange(6.0)[3:], True),  # a contiguous view at an offset
         (NEGATIVE, False),
+        (torch._efficientzerotensor(3), False),  # no memory: data_ptr() is 0
     ],
     ids=[
         "meta", "sparse", "grad", "bfloat16", "float64", "int32", "shape", "strided", "offset",
-        "negative",
+        "negative", "no memory",
     ],
 )  # fmt: skip
 def test_shaped_tensors_are_checked_as_the_general_path(tmp_path, by_address, obs, taken):

@@ -4,8 +4,15 @@ fields' tensors may go that way.
 
 A tensor's bytes are copied from its ``data_ptr()`` only after its caller checked, inline, that
 it is a strided CPU tensor of the field's exact dtype and shape, contiguous (always so when 0-d)
-and without torch's negative bit: then its bytes are the values it holds, row-major. Complex
-fields never go this way (a conjugate bit would need checking too); their tensors take numpy().
+and without torch's negative bit: then its bytes are the values it holds, row-major. A tensor
+whose ``data_ptr()`` is 0 has no memory behind it (a zero tensor's, or functionalization's):
+the caller declines it to the general path. Complex fields never go this way (a conjugate bit
+would need checking too), nor 0-d bools (see :func:`by_address`); their tensors take
+``numpy()`` or ``item()``.
+
+The callers' ``sources`` array is shared by their calls: each call clears the addresses it
+noted before it returns or raises, and a call nested in another on the same thread (user code
+run while a value is looked up) is declined, so that no call reads another's addresses.
 """
 
 from __future__ import annotations
@@ -44,7 +51,11 @@ def layout(columns: list[np.ndarray]) -> np.ndarray:
 
 
 def by_address(copy_row: CopyRow | None, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """When a field's tensors are copied by address: NEVER, CONTIGUOUS or ALWAYS."""
-    if copy_row is None or dtype.is_complex:
+    """When a field's tensors are copied by address: NEVER, CONTIGUOUS or ALWAYS.
+
+    A 0-d bool never is: its byte may be any nonzero value (a uint8 tensor viewed as bool),
+    which the other paths read as the bool True and store as 1; shaped bools are copied as
+    bytes, as ``numpy()`` and a slice assignment copy them."""
+    if copy_row is None or dtype.is_complex or (dtype is torch.bool and shape == ()):
         return NEVER
     return ALWAYS if shape == () else CONTIGUOUS

@@ -54,6 +54,7 @@ class RowPlan:
         self.copy_row = copy = row_copier(arrays)
         self.layout = layout(arrays)
         self.sources = np.zeros(len(arrays), np.int64)
+        self.busy = False  # a call is checking a step (sources holds its addresses)
         for at, ((arg, name), key, array) in enumerate(zip(sources, spec, arrays, strict=True)):
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
@@ -100,11 +101,12 @@ class RowPlan:
         from their addresses, all in one call at the end (see replaybuf.storage.addresses).
         """
         extras = step[3]
-        if not self._extras_fit(extras):
-            return False
+        if not self._extras_fit(extras) or self.busy:
+            return False  # busy: a step nested in this one (user code run by a key's __eq__)
         sources = self.sources
         addressed = checked = False
         try:
+            self.busy = True
             for field in self.fields:
                 arg, name, shape, dtype, np_dtype, array, takes_float, column, address_of = field
                 value = step[arg] if name is None else extras[name]
@@ -127,10 +129,13 @@ class RowPlan:
                             and not value.is_neg()
                         ):
                             address = value.data_ptr()
-                            if address:  # 0: no memory (a zero tensor's; numpy() decides)
-                                sources[column] = address
-                                addressed = True
-                                continue
+                            if not address:  # no memory behind it: the general path decides
+                                break
+                            sources[column] = address
+                            addressed = True
+                            continue
+                        if not value.data_ptr():  # no memory behind it (numpy() views it)
+                            break
                         value = value.numpy()  # refuses grad and lazy conj/neg views too
                     except _NO_VIEW:
                         break  # the general path detaches and copies, or refuses, those
@@ -149,6 +154,8 @@ class RowPlan:
         except BaseException:  # an interrupt: no address of this call may stay for the next
             sources.fill(0)
             raise
+        finally:
+            self.busy = False
         return checked
 
     def stage_final(self, at: int, observation: Any) -> bool:
@@ -259,8 +266,8 @@ def fast_value(value: Any, shape: tuple[int, ...], dtype: torch.dtype, np_dtype:
     if kind is torch.Tensor:
         if value.dtype is not dtype or value.shape != shape or not value.is_cpu:
             return None
-        try:  # one call: numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
-            return value.numpy()
+        try:  # numpy() refuses what it cannot view (grad, lazy conj/neg views, sparse)
+            return value.numpy() if value.data_ptr() else None  # 0: no memory behind it
         except _NO_VIEW:
             return None  # the general path detaches and copies, or refuses, those
     if kind is np.ndarray:

@@ -75,6 +75,8 @@ class RingChunk:
                     rows = size[0]
                 if size != (rows, *shape):
                     return -1
+                if not value.data_ptr():  # no memory behind it (numpy() would view it)
+                    return -1
                 arrays[at] = value.numpy()  # refuses grad, conj/neg views, sparse
                 seen += 1
         except _NO_VIEW:  # the general path detaches or refuses

@@ -71,6 +71,7 @@ class RingRow:
         self.copy_row = copy = row_copier(self.views)
         self.layout = layout(self.views)
         self.sources = np.zeros(len(fields), np.int64)
+        self.busy = False  # a call is checking a row (sources holds its addresses)
         for at, (name, dtype, shape, view) in enumerate(fields):
             number: type | None = None
             limits: tuple[float, float] = (0, -1)
@@ -97,12 +98,13 @@ class RingRow:
     def __call__(self, experience: Any) -> int:
         """Write ``experience`` at the cursor and return its slot; -1 (nothing written) when
         it is not a dict of exactly the spec's fields, each an exact match."""
-        if type(experience) is not dict or len(experience) != self.count:
-            return -1
+        if type(experience) is not dict or len(experience) != self.count or self.busy:
+            return -1  # busy: an add nested in this one (user code run by a key's __eq__)
         values: list[tuple[np.ndarray, Any]] = []  # (view, value) of fields not copied by address
         sources = self.sources
         addressed = checked = False
         try:
+            self.busy = True
             try:
                 for field in self.fields:
                     at, name, dtype, shape, np_dtype, scalar, number, limits, address_of, view = (
@@ -129,13 +131,20 @@ class RingRow:
                             and not value.is_neg()
                         ):
                             address = value.data_ptr()
-                            if address:  # 0: no storage (the numpy path decides)
-                                sources[at] = address
-                                addressed = True
-                                continue
+                            if not address:  # no memory behind it: the general path decides
+                                break
+                            sources[at] = address
+                            addressed = True
+                            continue
                         # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
                         # numpy() refuses what the general path must see (grad, conj/neg views)
-                        value = value.item() if shape == () else value.numpy()
+                        # but views a tensor without memory (data_ptr() 0) as it is: declined
+                        if shape == ():
+                            value = value.item()
+                        elif value.data_ptr():
+                            value = value.numpy()
+                        else:
+                            break
                     elif kind is scalar:  # a numpy scalar of the field's dtype
                         if shape != ():
                             break
@@ -166,6 +175,8 @@ class RingRow:
         except BaseException:  # an interrupt, or no room on disk: nothing written, and no
             sources.fill(0)  # address of this call may stay for the next
             raise
+        finally:
+            self.busy = False
         for view, value in values:
             view[slot] = value
         if slot >= slots._index_known and self.index is not None:
