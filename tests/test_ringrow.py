@@ -287,8 +287,8 @@ def test_an_interrupt_before_the_copy_leaves_no_address_for_the_next_add(tmp_pat
 
 
 def test_a_zero_d_bool_tensor_of_any_nonzero_byte_is_stored_as_true(by_address):
-    """A 0-d bool tensor is read as a bool, never copied as a byte: a uint8 tensor viewed as
-    bool with byte 2 stores 1, as the general path stores it."""
+    """A uint8 tensor viewed as a 0-d bool, byte 2, stores 1 (as the general path stores it),
+    copied by address or read with item()."""
     odd = torch.tensor(2, dtype=torch.uint8).view(torch.bool)
     assert odd.view(torch.uint8).item() == 2
     with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
@@ -323,6 +323,26 @@ def test_tensors_without_memory_of_their_own_are_never_read_as_bytes(by_address)
         torch.func.functionalize(inside)(torch.ones(3))
         assert len(refused) == 2
         same_state(state(buf), before)
+
+
+def test_bool_tensors_copied_by_address_store_zero_or_one(by_address):
+    """A bool tensor viewed from bytes other than 0 and 1, copied by address, stores 0 and 1,
+    as the general path stores it (the kernel converts a bool field's bytes)."""
+    if not by_address:
+        pytest.skip("the copy by address only")
+    spec = {"flags": ((3,), torch.bool), "done": ((), torch.bool)}
+    odd = {
+        "flags": torch.tensor([2, 0, 255], dtype=torch.uint8).view(torch.bool),
+        "done": torch.tensor(7, dtype=torch.uint8).view(torch.bool),
+    }
+    stored = []
+    for add in (ReplayBuffer.add, general_add):
+        with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=spec) as buf:
+            buf.add({"flags": torch.zeros(3, dtype=torch.bool), "done": torch.tensor(False)})
+            add(buf, odd)
+            batch = buf.sample_all()
+            stored.append([batch[k].view(torch.uint8).tolist() for k in spec])
+    assert stored[0] == stored[1] == [[[0, 0, 0], [1, 0, 1]], [0, 1]]
 
 
 def test_an_add_nested_in_an_add_leaves_the_outer_rows_tensors_intact(by_address):

@@ -39,8 +39,10 @@ def copy_row(layout: np.ndarray, sources: np.ndarray, row: int) -> None:
     """Copy field ``i``'s bytes from address ``sources[i]`` into row ``row`` of its column,
     for each ``i`` whose ``sources[i]`` is not 0, and set ``sources[i]`` back to 0.
 
-    ``layout[i]`` is (column address, row stride in bytes, row size in bytes); the caller
-    guarantees each address holds a whole row and ``row`` is inside every column.
+    ``layout[i]`` is (column address, row stride in bytes, row size in bytes, 1 for a bool
+    field); the caller guarantees each address holds a whole row and ``row`` is inside every
+    column. A bool field's bytes are stored as 0 or 1 (any nonzero byte is True), as torch
+    converts them on the general path.
     """
     for i in range(layout.shape[0]):
         source = sources[i]
@@ -48,5 +50,10 @@ def copy_row(layout: np.ndarray, sources: np.ndarray, row: int) -> None:
             continue
         size = layout[i, 2]
         into = carray(_pointer(layout[i, 0] + row * layout[i, 1]), (size,), np.uint8)
-        into[:] = carray(_pointer(source), (size,), np.uint8)
+        given = carray(_pointer(source), (size,), np.uint8)
+        if layout[i, 3]:
+            for j in range(size):
+                into[j] = given[j] != 0
+        else:
+            into[:] = given
         sources[i] = 0

@@ -7,8 +7,9 @@ it is a strided CPU tensor of the field's exact dtype and shape, contiguous (alw
 and without torch's negative bit: then its bytes are the values it holds, row-major. A tensor
 whose ``data_ptr()`` is 0 has no memory behind it (a zero tensor's, or functionalization's):
 the caller declines it to the general path. Complex fields never go this way (a conjugate bit
-would need checking too), nor 0-d bools (see :func:`by_address`); their tensors take
-``numpy()`` or ``item()``.
+would need checking too); their tensors take ``numpy()``. A bool field's bytes are stored as
+0 or 1 (a bool tensor viewed from bytes may hold any nonzero byte), as the general path
+stores them.
 
 The callers' ``sources`` array is shared by their calls: each call clears the addresses it
 noted before it returns or raises, and a call nested in another on the same thread (user code
@@ -40,22 +41,24 @@ def row_copier(columns: list[np.ndarray]) -> CopyRow | None:
 
 
 def layout(columns: list[np.ndarray]) -> np.ndarray:
-    """``copy_row``'s read-only layout of ``columns``: (address, row stride, row bytes) each."""
+    """``copy_row``'s read-only layout of ``columns``: (address, row stride, row bytes, 1 for
+    bool) each."""
     rows = [
-        (column.__array_interface__["data"][0], column.strides[0], column[0].nbytes)
+        (
+            column.__array_interface__["data"][0],
+            column.strides[0],
+            column[0].nbytes,
+            column.dtype == np.bool_,
+        )
         for column in columns
     ]
-    out = np.array(rows, np.int64).reshape(-1, 3)
+    out = np.array(rows, np.int64).reshape(-1, 4)
     out.flags.writeable = False
     return out
 
 
 def by_address(copy_row: CopyRow | None, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """When a field's tensors are copied by address: NEVER, CONTIGUOUS or ALWAYS.
-
-    A 0-d bool never is: its byte may be any nonzero value (a uint8 tensor viewed as bool),
-    which the other paths read as the bool True and store as 1; shaped bools are copied as
-    bytes, as ``numpy()`` and a slice assignment copy them."""
-    if copy_row is None or dtype.is_complex or (dtype is torch.bool and shape == ()):
+    """When a field's tensors are copied by address: NEVER, CONTIGUOUS or ALWAYS."""
+    if copy_row is None or dtype.is_complex:
         return NEVER
     return ALWAYS if shape == () else CONTIGUOUS
