@@ -318,3 +318,43 @@ def test_bookkeeping_that_cannot_fit_raises_insufficient_space_before_allocating
     # 10**11 rows of links and anchors: the allocator's own RuntimeError would name nothing.
     with pytest.raises(InsufficientSpaceError, match=r"host memory \(RAM\), for the rows' book"):
         SyncEpisodeReplayBuffer(10**11, storage="tensor")
+
+
+def _inside(transform: str, call) -> list[Exception]:
+    """Run ``call(o)`` inside a ``torch.func`` transform, ``o`` an observation-shaped tensor
+    of that transform (a wrapper without memory of its own); what it raised."""
+    raised: list[Exception] = []
+
+    def body(x):
+        try:
+            call(x * 1)
+        except Exception as exc:
+            raised.append(exc)
+        return x
+
+    if transform == "vmap":
+        torch.func.vmap(body)(torch.zeros(2, 3))
+    else:
+        torch.func.functionalize(body)(torch.zeros(3))
+    return raised
+
+
+@pytest.mark.parametrize("transform", ["vmap", "functionalize"])
+@pytest.mark.parametrize("call", ["append", "append_batch", "end"])
+def test_a_torch_func_wrapper_is_refused_by_name_and_changes_nothing(populated, transform, call):
+    """A tensor of a ``torch.func`` transform (vmap's batched tensor, functionalization's
+    wrapper) has no memory of its own to store: refused by name, before any row is taken."""
+    _, a, r, x = next_step()
+    calls = {
+        "append": lambda t: populated.append_observation_action_reward(RUNNING, t, a, r, x),
+        "append_batch": lambda t: populated.append_batch([RUNNING], *batch_of([(t, a, r, x)])),
+        "end": lambda t: populated.end_episode(RUNNING, "terminated", t),
+    }
+    before = snapshot(populated)
+    raised = _inside(transform, calls[call])
+    assert raised  # one per vmapped sample, or one
+    for exc in raised:
+        assert isinstance(exc, SchemaError), repr(exc)
+        assert "field 'observation'" in str(exc)
+        assert "torch.func" in str(exc)
+    assert snapshot(populated) == before

@@ -35,6 +35,7 @@ from replaybuf.storage.schema import (
     Key,
     _leaves,
     check_storable,
+    has_memory,
     key_name,
 )
 
@@ -306,6 +307,12 @@ def _as_tensor(value: Any, key: Key, field: Field | None, batched: bool, what: s
             raise ArgumentTypeError(
                 f"{what}: field {name!r} expected a dense (strided) tensor, got layout "
                 f"{value.layout}; convert it with .to_dense()"
+            )
+        if not has_memory(value):  # refused before any row is taken for it
+            raise SchemaError(
+                f"{what}: field {name!r} is a tensor without memory of its own (a torch.func "
+                "transform's, such as vmap's or functionalize's); write its values outside "
+                "the transform"
             )
         return value.detach()
     if isinstance(value, np.ndarray):

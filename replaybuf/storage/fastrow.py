@@ -256,6 +256,11 @@ class RowPlan:
                 or value.layout is not _STRIDED
             ):
                 return None
+            try:  # no memory of its own (a torch.func wrapper's): the general path refuses it
+                if not value.data_ptr():
+                    return None
+            except RuntimeError:
+                return None
             out.append(value)
         return out
 

@@ -30,6 +30,17 @@ _SCALARS = (bool, int, float, np.generic)
 _CPU = torch.device("cpu")
 
 
+def has_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values lie in memory of its own: not a ``torch.func`` wrapper,
+    whose ``data_ptr()`` raises (vmap's batched tensors) or is 0 while it has elements
+    (functionalization's); a zero tensor (no memory, torch writes its zeros) counts as one."""
+    try:
+        address = tensor.data_ptr()
+    except RuntimeError:
+        return False
+    return bool(address) or not tensor.numel() or tensor._is_zerotensor()
+
+
 @functools.cache
 def storable(dtype: torch.dtype) -> bool:
     """Whether torch can write rows of ``dtype`` the way the storages do: ``index_put`` (TorchRL's
@@ -371,6 +382,7 @@ def _match(data: Mapping, tree: _Tree, batched: bool, leaves: dict, rows: int) -
             or value.dtype != dtype
             or value.is_meta
             or value.layout is not torch.strided
+            or not has_memory(value)  # to_leaves names what it lacks
         ):
             return None
         size = value.shape
