@@ -176,6 +176,9 @@ def test_a_full_disk_at_reservation_raises_and_leaves_the_buffer_empty_and_usabl
         with unchanged(buf), pytest.raises(InsufficientSpaceError, match=r"disk at .*needs 212"):
             buf.add_batch(rows(0, 2))
         assert (buf.spec, len(buf.memory)) == (None, 0)
+        # The reset that undid the allocation handed its folder to the background remover:
+        # wait for it, or the walk below races the removal it checks.
+        assert scratch.drain(timeout=60)
         assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != STAMP] == []
         monkeypatch.undo()
         buf.add_batch(rows(0, 3))
