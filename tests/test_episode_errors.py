@@ -358,3 +358,16 @@ def test_a_torch_func_wrapper_is_refused_by_name_and_changes_nothing(populated, 
         assert "field 'observation'" in str(exc)
         assert "torch.func" in str(exc)
     assert snapshot(populated) == before
+
+
+def test_a_tensor_subclass_without_an_address_of_its_own_is_still_stored(populated):
+    """A ``__torch_dispatch__`` wrapper subclass may report ``data_ptr()`` 0 while torch's
+    copy reads its values: it is stored as before (only plain tensors of a transform are
+    refused as having no memory of their own)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    _, a, r, x = next_step()
+    wrapped = two_tensor.TwoTensor(torch.full((3,), 4.0), torch.full((3,), 4.0))
+    assert wrapped.data_ptr() == 0
+    populated.append_observation_action_reward(RUNNING, wrapped, a, r, x)
+    populated.end_episode(RUNNING, "terminated", final_obs(RUNNING, 3))
+    assert populated.get_episode(RUNNING)["observation"][2].tolist() == [4.0] * 3

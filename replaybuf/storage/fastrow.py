@@ -5,8 +5,8 @@ arrays, or Python numbers the field holds) is copied straight into the staging c
 numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
 ``copy_`` per field) makes several torch calls per field, each costing far more than a numpy
 item assignment. Anything else is declined here and takes the general path, which converts what
-it can and raises the precise error; so this module never raises and never changes anything
-stored.
+it can and raises the precise error; so this module never raises for a value (an interrupt
+passes through, after the row's noted addresses are cleared) and never changes anything stored.
 ``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
 """
 

@@ -33,7 +33,11 @@ _CPU = torch.device("cpu")
 def has_memory(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s values lie in memory of its own: not a ``torch.func`` wrapper,
     whose ``data_ptr()`` raises (vmap's batched tensors) or is 0 while it has elements
-    (functionalization's); a zero tensor (no memory, torch writes its zeros) counts as one."""
+    (functionalization's); a zero tensor (no memory, torch writes its zeros) counts as one.
+    Subclasses are taken at their word (a ``__torch_dispatch__`` wrapper's ``data_ptr()`` may
+    be 0 while torch's copy reads its values), as before this check."""
+    if type(tensor) is not torch.Tensor:
+        return True
     try:
         address = tensor.data_ptr()
     except RuntimeError:
