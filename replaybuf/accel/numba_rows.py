@@ -3,10 +3,10 @@ extra): the torch-tensor inputs of the per-step writes. Loaded with, and re-expo
 :mod:`replaybuf.accel.numba_kernels`.
 
 Written by hand because torch has no cheap way from a small CPU tensor to a row of another:
-``Tensor.numpy()`` then a numpy item assignment costs ~0.7 µs per field, an indexed
-``copy_`` more, while ``data_ptr()`` costs ~0.06 µs. The caller checks each tensor first (a
-strided, contiguous CPU tensor of the field's exact dtype and shape, no negative bit) and passes
-its address; this kernel only copies bytes.
+``Tensor.numpy()`` then a numpy item assignment, or an indexed ``copy_``, costs several times
+what ``data_ptr()`` does (docs/performance.md). The caller checks each tensor first (a strided,
+contiguous CPU tensor of the field's exact dtype and shape, no negative bit) and passes its
+address; this kernel only copies bytes, converting a bool field's to 0 or 1.
 """
 
 from __future__ import annotations

@@ -122,6 +122,8 @@ class RowPlan:
                         or value.layout is not _STRIDED
                     ):
                         break
+                    # The tensor check of RingRow.__call__ (storage.ringrow), inline in both
+                    # hot paths: a function call per tensor field shows in their time.
                     try:  # data_ptr() and numpy() refuse tensors without storage (vmap's)
                         if (
                             address_of

@@ -125,6 +125,8 @@ class RingRow:
                             or value.layout is not _STRIDED
                         ):
                             break
+                        # The tensor check of RowPlan.stage (storage.fastrow), inline in both
+                        # hot paths: a function call per tensor field shows in their time.
                         if (
                             address_of
                             and (address_of == ALWAYS or value.is_contiguous())
