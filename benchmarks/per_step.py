@@ -15,16 +15,21 @@ from peers import ACT, OBS, StepPool, Turn, steady
 
 from replaybuf import ReplayBuffer
 
-INPUTS = ("torch", "numpy", "python")
-BATCH = 256  # sample(BATCH), as W1  # ReplayBuffer.add's input forms, as W4 rows name them
+# ReplayBuffer.add's input forms, as W4 rows name them ("tensordict": ObjectRL's form, one
+# transition as a TensorDict of batch size [] holding the torch row)
+INPUTS = ("torch", "numpy", "python", "tensordict")
+BATCH = 256  # sample(BATCH), as W1
 
 
 def ring_add_writer(buf: ReplayBuffer, pool: StepPool, inputs: str) -> Callable[[], None]:
     """``buf.add`` of one transition per call: a dict of torch tensors (0-d reward and done),
-    of numpy arrays and numpy scalars, or of numpy arrays and Python numbers (what a gymnasium
-    env returns), into a full ring."""
-    rows: list[dict[str, Any]] = []
+    of numpy arrays and numpy scalars, of numpy arrays and Python numbers (what a gymnasium
+    env returns), or the torch row as a TensorDict (ObjectRL's form), into a full ring."""
+    rows: list[Any] = []
     for i in range(pool.size):
+        if inputs == "tensordict":
+            rows.append(pool.td[i])
+            continue
         if inputs == "torch":
             row = {"reward": pool.reward_t[i], "done": pool.done[i]}
             row.update(obs=pool.obs[i], action=pool.action[i])

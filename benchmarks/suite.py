@@ -903,6 +903,8 @@ def build_rows(res: dict[str, Any], cfg: Config) -> list[Row]:
         ps = w["per_step"]
         peer = ps.get(peers.SB3)
         for inputs in per_step.INPUTS:
+            if f"replaybuf add {inputs}" not in ps:  # absent in reports from before this row
+                continue
             r = med(ps[f"replaybuf add {inputs}"])
             ratio_row(f"W4 1 step/call, ReplayBuffer.add, {inputs} inputs", peer, r, 1.0)
         if peer is not None:

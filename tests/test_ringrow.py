@@ -12,7 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
+import replaybuf.storage.ringrow
 from replaybuf import ReplayBuffer, SchemaError
 from replaybuf.storage import row_writer
 from replaybuf.storage.ringrow import RingRow, declined
@@ -185,6 +187,11 @@ def experiences(draw):
         out["other"] = out.pop(draw(st.sampled_from(sorted(out))))
     elif change == "not a dict":
         return list(out.values())
+    if draw(st.booleans()):  # ObjectRL's form: one transition as a TensorDict
+        try:
+            return TensorDict(out, batch_size=[])
+        except Exception:  # values a TensorDict does not take: the dict as it is
+            return out
     return out
 
 
@@ -366,6 +373,34 @@ def test_an_add_nested_in_an_add_leaves_the_outer_rows_tensors_intact(by_address
         buf.add(outer)
         assert not row_writer(buf._slots).sources.any()
         assert buf.sample_all()["obs"][:, 0].tolist() == [0.0, 7.0, 5.0]
+
+
+def test_a_one_transition_tensordict_takes_the_fast_path_and_others_do_not(monkeypatch):
+    """ObjectRL's form, one transition as a TensorDict of batch size [], is written by the row
+    writer from its leaves; a batch, a nested TensorDict, or any TensorDict where tensordict
+    keeps its entries otherwise (simulated), is declined to the general path."""
+    exact = {
+        "obs": torch.ones(3),
+        "action": torch.tensor([1, 2]),
+        "reward": torch.tensor(0.5),
+        "done": torch.tensor(True),
+        "count": torch.tensor(7, dtype=torch.int16),
+        "value": torch.tensor(2.5, dtype=torch.float64),
+    }
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        writer = row_writer(buf._slots)
+        assert isinstance(writer, RingRow)
+        assert writer(TensorDict(exact, batch_size=[])) == 1
+        assert writer(TensorDict(exact, batch_size=[]).unsqueeze(0)) == -1  # a batch of one
+        nested = TensorDict({**exact, "obs": TensorDict({"x": torch.ones(3)}, [])}, [])
+        assert writer(nested) == -1
+        monkeypatch.setattr(replaybuf.storage.ringrow, "_LEAVES_BY_NAME", False)
+        assert writer(TensorDict(exact, batch_size=[])) == -1
+        monkeypatch.undo()
+        buf._advance(1)
+        buf.add(TensorDict(exact, batch_size=[]))
+        assert buf.sample_all()["obs"].tolist() == [[0.0] * 3, [1.0] * 3, [1.0] * 3]
 
 
 def test_fast_path_is_chosen_again_after_reset_and_declined_for_bfloat16():

@@ -4,9 +4,10 @@
 The general path (:func:`~replaybuf.storage.convert.to_leaves` or
 :meth:`~replaybuf.storage.schema.FieldSpec.match`, a ``[1, ...]`` view per field, the spec
 check, ``SlotStorage.extend`` with TorchRL's bookkeeping through its state dicts) makes a few
-dozen Python and torch calls per row. Here a dict whose every value already has its field's
-exact shape and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds)
-is checked whole, then written at TorchRL's writer cursor: contiguous CPU tensors copied from
+dozen Python and torch calls per row. Here a dict (or a TensorDict of batch size [], ObjectRL's
+form, read through its entries by name) whose every value already has its field's exact shape
+and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds) is checked
+whole, then written at TorchRL's writer cursor: contiguous CPU tensors copied from
 their addresses by one compiled call (:func:`~replaybuf.accel.numba_rows.copy_row`, where the
 kernels run), every other value assigned into the numpy view of its column. TorchRL's counters
 are then advanced as its ``extend`` of one row would
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
 from replaybuf.storage.slots import SlotStorage
@@ -41,6 +43,21 @@ _NO_VIEW = (RuntimeError, TypeError)
 # where torch silently stores inf: those take the general path).
 _FLOATS = (torch.float32, torch.float64)
 _STRIDED = torch.strided
+
+
+def _leaves_by_name() -> bool:
+    """Whether a TensorDict keeps its entries in a plain dict by name (``_tensordict``, as
+    tensordict has for years): then :class:`RingRow` reads a one-transition TensorDict's
+    leaves there, in one attribute read, instead of a ``get`` per field (tensordict's own
+    ``items()`` costs several times the whole row write). Checked on a probe at import, so
+    that a tensordict that keeps them otherwise sends TensorDicts to the general path."""
+    leaf = torch.zeros(())
+    probe = TensorDict({"leaf": leaf}, batch_size=[])
+    entries = getattr(probe, "_tensordict", None)
+    return type(entries) is dict and len(entries) == 1 and entries.get("leaf") is leaf
+
+
+_LEAVES_BY_NAME = _leaves_by_name()
 
 RowWriter = Callable[[Any], int]  # one transition -> the slot written, or -1: declined
 
@@ -97,8 +114,13 @@ class RingRow:
 
     def __call__(self, experience: Any) -> int:
         """Write ``experience`` at the cursor and return its slot; -1 (nothing written) when
-        it is not a dict of exactly the spec's fields, each an exact match."""
-        if type(experience) is not dict or len(experience) != self.count or self.busy:
+        it is not a dict (or a TensorDict of batch size []) of exactly the spec's fields,
+        each an exact match."""
+        if type(experience) is not dict:
+            if type(experience) is not TensorDict or not _LEAVES_BY_NAME or experience.batch_size:
+                return -1
+            experience = experience._tensordict  # its entries by name (see _leaves_by_name)
+        if len(experience) != self.count or self.busy:
             return -1  # busy: an add nested in this one (user code run by a key's __eq__)
         values: list[tuple[np.ndarray, Any]] = []  # (view, value) of fields not copied by address
         sources = self.sources
