@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
-from replaybuf.storage.schema import FieldSpec
+from replaybuf.storage.schema import FieldSpec, has_memory
 
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
 # What Tensor.numpy() raises for tensors it cannot view: RuntimeError (grad, conj/neg bits),
@@ -258,10 +258,7 @@ class RowPlan:
                 or value.layout is not _STRIDED
             ):
                 return None
-            try:  # no memory of its own (a torch.func wrapper's): the general path refuses it
-                if not value.data_ptr():
-                    return None
-            except RuntimeError:
+            if not has_memory(value):  # a torch.func wrapper's: the general path refuses it
                 return None
             out.append(value)
         return out
