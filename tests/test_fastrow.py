@@ -76,8 +76,10 @@ def assert_same_contents(fast, slow, last_id: int) -> None:
     assert held[0] == held[1]
     rows = torch.tensor([row for rows in held[1] for row in rows], dtype=torch.long)
     for key in slow.spec or {}:
-        a, b = fast._core.slots.column(key)[rows], slow._core.slots.column(key)[rows]
-        assert torch.equal(a, b), key
+        a, b = fast._core.slots.column(key), slow._core.slots.column(key)
+        if a.dtype is torch.bool:  # their bytes: indexing and torch.equal take any nonzero
+            a, b = a.view(torch.uint8), b.view(torch.uint8)  # byte as True (as 1)
+        assert torch.equal(a[rows], b[rows]), key
     for e in range(last_id + 1):
         try:
             want = slow.get_episode(e)
@@ -228,6 +230,58 @@ def test_batched_appends_store_what_the_general_path_stores(kinds, seed, envs, m
             values = batch_values_of(kind, rng, envs)
             same_outcome(fast, slow, "append_batch", ids, *values)
         assert_same_contents(fast, slow, max(ids))
+
+
+def odd_bools(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Bools viewed from random bytes 0..3: a True byte may be 2 or 3."""
+    return rng.integers(0, 4, shape).astype(np.uint8).view(np.bool_)
+
+
+def bool_forms(flags: np.ndarray) -> list:
+    """``flags`` as every per-step path takes it: a numpy array, a contiguous tensor (copied
+    by address where the kernels run), a strided tensor (through ``numpy()``), a strided
+    array."""
+    wide = np.repeat(flags[..., None], 2, axis=-1)
+    return [flags, torch.from_numpy(flags), torch.from_numpy(wide)[..., 0], wide[..., 0]]
+
+
+def test_bools_of_any_true_byte_are_stored_as_one_on_every_path(by_address):
+    """A bool observation whose True bytes are not all 1 (a uint8 buffer viewed as bool) is
+    stored as 0 and 1 by every fast path (one step, a batch, final observations one by one
+    and in bulk), as the general path stores it: numpy's bool-to-bool copy would keep the
+    bytes."""
+    rng = np.random.default_rng(3)
+    with (
+        small_staging(),
+        SyncEpisodeReplayBuffer(256, storage="tensor", seed=0) as fast,
+        general_path_only(SyncEpisodeReplayBuffer(256, storage="tensor", seed=0)) as slow,
+    ):
+        for buf in (fast, slow):
+            buf.start_episode()
+            buf.append_observation_action_reward(0, np.zeros(4, np.bool_), 0, 0.0)  # the spec
+        for flags in bool_forms(odd_bools((4,), rng)):
+            for buf in (fast, slow):
+                buf.append_observation_action_reward(0, flags, 1, 1.0)
+        for buf in (fast, slow):
+            ids = [buf.start_episode() for _ in range(3)]
+        for flags in bool_forms(odd_bools((3, 4), rng)):
+            for buf in (fast, slow):
+                buf.append_batch(ids, flags, np.arange(3), np.ones(3, np.float32))
+        for episode, final in zip([0, *ids], bool_forms(odd_bools((4,), rng)), strict=True):
+            for buf in (fast, slow):
+                buf.end_episode(episode, "truncated", final)
+        assert_same_contents(fast, slow, max(ids))
+        for finals in bool_forms(odd_bools((3, 4), rng))[:2]:  # end_episodes' bulk finals
+            ids = fast.start_episodes(3)
+            fast.append_batch(ids, np.zeros((3, 4), np.bool_), np.arange(3), np.ones(3, np.float32))
+            fast.end_episodes(ids, "truncated", finals)
+            stored = [fast.get_episode(e)["observation"][-1] for e in ids]  # the final
+            assert [s.tolist() for s in stored] == torch.as_tensor(finals).tolist()
+        core = fast._core
+        core.flush()
+        held = [row for e in core.episodes.values() for row in [*e.rows, e.final_row]]
+        stored = core.slots.column(("observation",)).view(torch.uint8)[torch.tensor(held)]
+        assert set(stored.unique().tolist()) == {0, 1}
 
 
 def test_the_stored_row_is_a_copy_of_the_callers_array():

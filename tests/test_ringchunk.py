@@ -48,8 +48,9 @@ def general_add_batch(buf: ReplayBuffer, batch) -> None:
 
 def column(rows: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, (rows, *shape), generator=generator).bool()
+    if dtype is torch.bool:  # any byte: a nonzero one other than 1 is a True stored as 1
+        raw = torch.randint(0, 4, (rows, *shape), generator=generator, dtype=torch.uint8)
+        return raw.view(torch.bool)
     if dtype.is_floating_point:
         return torch.randn((rows, *shape), generator=generator, dtype=dtype)
     return torch.randint(-(10**6), 10**6, (rows, *shape), generator=generator, dtype=dtype)

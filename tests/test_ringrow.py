@@ -119,9 +119,9 @@ def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
         raw = np.array(draw(st.lists(FLOATS, min_size=numel, max_size=numel)), np.float64)
         with np.errstate(over="ignore"):
             base = raw.astype(np_dtype).reshape(shape)
-    elif dtype is torch.bool:
-        base = np.array(draw(st.lists(st.booleans(), min_size=numel, max_size=numel)))
-        base = base.reshape(shape)
+    elif dtype is torch.bool:  # any byte: a nonzero one other than 1 is a True stored as 1
+        raw = draw(st.lists(st.sampled_from([0, 1, 2, 255]), min_size=numel, max_size=numel))
+        base = np.array(raw, np.uint8).view(np.bool_).reshape(shape)
     else:
         info = np.iinfo(np_dtype)
         ints = st.integers(int(info.min), int(info.max))

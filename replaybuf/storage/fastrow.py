@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
+from replaybuf.storage.bools import assign_view
 from replaybuf.storage.schema import FieldSpec, has_memory
 
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
@@ -46,7 +47,8 @@ class RowPlan:
         self, spec: FieldSpec, sources: list[tuple[int, str | None]], arrays: list[np.ndarray]
     ) -> None:
         # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
-        # its staging column's numpy view, whether a Python float goes straight in, its
+        # the numpy view of its staging column values are assigned into (a bool column's as
+        # uint8: replaybuf.storage.bools), whether a Python float goes straight in, its
         # position, when a tensor's bytes go in from its address: replaybuf.storage.addresses).
         self.fields: list[tuple[Any, ...]] = []
         # Tensors copied from their addresses in one call: the copy, the columns' layout, and
@@ -55,16 +57,19 @@ class RowPlan:
         self.layout = layout(arrays)
         self.sources = np.zeros(len(arrays), np.int64)
         self.busy = False  # a call is checking a step (sources holds its addresses)
+        # The views every value is assigned into, per column (here, by steps.stage_steps, and
+        # for the spare row)
+        self.arrays = [assign_view(array) for array in arrays]
         for at, ((arg, name), key, array) in enumerate(zip(sources, spec, arrays, strict=True)):
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
             address = by_address(copy, dtype, shape)
+            target = self.arrays[at]
             self.fields.append(
-                (arg, name, shape, dtype, array.dtype, array, takes_float, at, address)
+                (arg, name, shape, dtype, array.dtype, target, takes_float, at, address)
             )
         self._columns = [torch.from_numpy(array) for array in arrays]  # put_finals' tensors
         self.extras = {name for arg, name in sources if arg == 3}
-        self.arrays = arrays
         # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
         self._batch_fields: dict[int, list[tuple[Any, ...]]] = {}
 

@@ -43,7 +43,7 @@ class RingChunk:
     def __init__(self, row: RingRow) -> None:
         # Per field name: its position, torch dtype and row shape.
         self.fields = {name: (at, dtype, shape) for at, name, dtype, shape, *_ in row.fields}
-        self.views = row.views
+        self.views = row.targets  # bool columns as uint8: replaybuf.storage.bools
         self.index = row.index
         self.book = row.book
         self.slots = row.slots

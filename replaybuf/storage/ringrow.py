@@ -9,7 +9,8 @@ form, read through its entries by name) whose every value already has its field'
 and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds) is checked
 whole, then written at TorchRL's writer cursor: contiguous CPU tensors copied from
 their addresses by one compiled call (:func:`~replaybuf.accel.numba_rows.copy_row`, where the
-kernels run), every other value assigned into the numpy view of its column. TorchRL's counters
+kernels run), every other value assigned into the numpy view of its column (a bool column's
+bytes as uint8: :mod:`replaybuf.storage.bools`). TorchRL's counters
 are then advanced as its ``extend`` of one row would
 (:class:`~replaybuf.storage.torchrl_state.RowBookkeeping`). Anything else is declined, before
 anything is written, and takes the general path, which converts what it can and raises the
@@ -32,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
+from replaybuf.storage.bools import assign_view
 from replaybuf.storage.slots import SlotStorage
 from replaybuf.storage.torchrl_state import RowBookkeeping, row_bookkeeping
 
@@ -79,10 +81,11 @@ class RingRow:
     ) -> None:
         # Per field: (its position, name, torch dtype, shape, numpy dtype, numpy scalar type,
         # the Python number type it takes (float, bool, int or None), that number's limits,
-        # when a tensor's bytes go in from its address (replaybuf.storage.addresses), and its
-        # column's numpy view).
+        # when a tensor's bytes go in from its address (replaybuf.storage.addresses), and the
+        # numpy view other values are assigned into: replaybuf.storage.bools).
         self.fields: list[tuple[Any, ...]] = []
         self.views = [view for *_, view in fields]
+        self.targets = [assign_view(view) for view in self.views]
         # Tensors copied from their addresses in one call: the copy, the columns' layout, and
         # each call's addresses (0: none; copy_row sets them back to 0).
         self.copy_row = copy = row_copier(self.views)
@@ -105,7 +108,7 @@ class RingRow:
                     info = np.iinfo(view.dtype)
                     limits = (int(info.min), int(info.max))
             numpy_types = (view.dtype, view.dtype.type)
-            tail = (number, limits, by_address(copy, dtype, shape), view)
+            tail = (number, limits, by_address(copy, dtype, shape), self.targets[at])
             self.fields.append((at, name, dtype, shape, *numpy_types, *tail))
         self.count = len(fields)
         self.slots = slots

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaybuf.storage.bools import assign_view
 from replaybuf.storage.schema import FieldSpec, Key
 
 _CPU = torch.device("cpu")  # staging is on the host, whatever torch's default device
@@ -46,6 +47,9 @@ class RowStager:
         self.arrays: list[np.ndarray] | None = None
         with contextlib.suppress(TypeError):
             self.arrays = [column.numpy() for column in self.columns]
+        # What batches of numpy values are assigned into (bool columns as uint8, so that they
+        # hold 0 or 1: replaybuf.storage.bools).
+        self.targets = None if self.arrays is None else list(map(assign_view, self.arrays))
         # The columns as row words, for the compiled scatter into storage (SlotStorage.write_rows).
         self.words = [row_words(column) for column in self.columns]
         self._slices: dict[tuple[int, int], list[torch.Tensor]] = {}  # see slices
@@ -68,8 +72,8 @@ class RowStager:
         if type(values[0]) is torch.Tensor:
             torch._foreach_copy_(self.slices(at, count), values)
         else:
-            assert self.arrays is not None  # numpy values come only with numpy views (RowPlan)
-            for column, value in zip(self.arrays, values, strict=True):
+            assert self.targets is not None  # numpy values come only with numpy views (RowPlan)
+            for column, value in zip(self.targets, values, strict=True):
                 column[at : at + count] = value
         self.rows.extend(rows)
 
