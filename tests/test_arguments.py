@@ -220,6 +220,41 @@ def test_an_unchecked_machine_refuses_an_impossible_batch_too():
     twin.close()
 
 
+def test_repeated_n_step_arguments_are_checked_as_the_first_were(monkeypatch):
+    """``sample_n_step`` reuses the last call's checks when a call repeats its arguments:
+    every batch equals the one a buffer checking every call draws, a bool, a numpy number
+    or a changed layout is checked afresh, and a batch big enough for a memory reading reads
+    it on every call."""
+    import numpy as np
+
+    buf, twin = episodes(), episodes()
+    calls = [(4, 2, 0.9, None)] * 3 + [(np.int64(4), 2, 0.9, None), (4, 2, 0.9, "torchrl")]
+    calls += [(4, 2, np.float64(0.9), None), (4, 2, 0.9, None), (4, 3, 0.9, None)]
+    for batch_size, n, gamma, layout in calls:
+        twin._nstep_checked = None  # the twin checks every call
+        a = buf.sample_n_step(batch_size, n=n, gamma=gamma, layout=layout)
+        b = twin.sample_n_step(batch_size, n=n, gamma=gamma, layout=layout)
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        assert same(a, b)
+    assert buf._nstep_checked is not None  # the last call's checks are kept
+    refused(lambda: buf.sample_n_step(True, n=3, gamma=0.9), ArgumentTypeError, "batch_size")
+    refused(lambda: buf.sample_n_step(4, n=True, gamma=0.9), ArgumentTypeError, "n must be")
+    buf.sample_n_step(4, n=3, gamma=0.9)
+    buf.layout = "torchrl"  # the buffer's default layout changed: the next batch follows it
+    assert ("next", "reward") in buf.sample_n_step(4, n=3, gamma=0.9).keys(True, True)
+    buf.layout = "replaybuf"
+    # Every batch read against the free memory: nothing is kept, the second call reads again.
+    monkeypatch.setattr(budget, "ALWAYS_FITS", 0)
+    free = [1 << 40]
+    monkeypatch.setattr(budget, "free_bytes", lambda kind, device, folder: free[0])
+    buf.sample_n_step(4, n=3, gamma=0.9)
+    assert buf._nstep_checked is None
+    free[0] = 1
+    refused(lambda: buf.sample_n_step(4, n=3, gamma=0.9), InsufficientSpaceError, "batch_size=")
+    buf.close()
+    twin.close()
+
+
 def test_a_batch_is_measured_against_the_free_memory(monkeypatch):
     """Rows x (fields + overhead) against what is free: refused above it, drawn below."""
     free = [100 << 20]

@@ -54,7 +54,12 @@ from replaybuf.sampling import (
     seed_key,
     torchrl_transitions,
 )
-from replaybuf.sampling.budget import ensure_batch_fits, sequence_bytes, transition_bytes
+from replaybuf.sampling.budget import (
+    always_fits,
+    ensure_batch_fits,
+    sequence_bytes,
+    transition_bytes,
+)
 from replaybuf.sampling.paths import PATHS_KEY
 from replaybuf.sampling.sequences import check_sequence_args
 from replaybuf.storage import NORMAL_TENSORS, FieldSpec, SlotStorage, resolve_device, resolve_kind
@@ -150,6 +155,9 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
         # The device draws (CUDA storage): a key from the seed, apart from the generator's.
         self._draws = DeviceDraws(self.storing_device, seed_key(seed))
         self._paths: Paths | None = None  # how batches are built, chosen on first use
+        # sample_n_step's last arguments, as given with what was read of the buffer, and
+        # their checked values (n, whether TorchRL's layout): see sample_n_step.
+        self._nstep_checked: tuple[tuple[Any, ...], NArg, bool] | None = None
 
     def _new_core(self) -> EpisodeCore:
         """An empty episode core of this buffer's configuration (storage, priorities)."""
@@ -404,13 +412,34 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence)
         lock = self._lock
         lock.acquire()
         try:
-            batch_size = positive_int(batch_size, "batch_size")
-            n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
-            torchrl = self._torchrl(layout)
-            self._require_steps("sample")
-            window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
-            row = transition_bytes(self._core.slots.spec, self.frame_stack or 1, window)
-            ensure_batch_fits(batch_size, row, (self.device, self.storing_device))
+            # A call that repeats the last one's arguments (a training loop's every call) reuses
+            # their checks: one comparison instead of six calls, each slow after the last
+            # batch's gather has evicted the caches. Only for a plain int batch size and n and
+            # a float gamma (a bool or numpy number is checked as ever), the same layouts and
+            # spec, and a batch whose memory check reads nothing (always_fits).
+            spec = self._core.slots.spec
+            given = (batch_size, n, gamma, layout, self.layout, self.max_steps, spec)
+            checked = self._nstep_checked
+            if (
+                checked is not None
+                and checked[0] == given
+                and type(batch_size) is int
+                and type(n) is int
+                and type(gamma) is float
+            ):
+                n, torchrl = checked[1], checked[2]
+                self._require_steps("sample")
+            else:
+                self._nstep_checked = None
+                batch_size = positive_int(batch_size, "batch_size")
+                n, gamma = check_n(n, self.max_steps), check_gamma(gamma)
+                torchrl = self._torchrl(layout)
+                self._require_steps("sample")
+                window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
+                row = transition_bytes(self._core.slots.spec, self.frame_stack or 1, window)
+                ensure_batch_fits(batch_size, row, (self.device, self.storing_device))
+                if spec is self._core.slots.spec and always_fits(batch_size, row):
+                    self._nstep_checked = (given, n, torchrl)
             batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
         finally:
             lock.release()

@@ -31,6 +31,12 @@ WINDOW_STEP = 24  # bytes per step of an n-step window: its row, validity and re
 ALWAYS_FITS = 64 << 20  # batches smaller than this are not checked
 
 
+def always_fits(batch_size: int, row_bytes: int) -> bool:
+    """Whether :func:`ensure_batch_fits` passes ``batch_size`` rows of ``row_bytes`` without
+    reading the free memory (under :data:`ALWAYS_FITS`): then its verdict never changes."""
+    return batch_size * (row_bytes + ROW_OVERHEAD) < ALWAYS_FITS
+
+
 def ensure_batch_fits(
     batch_size: int, row_bytes: int, devices: Iterable[torch.device], what: str = "batch"
 ) -> None:
@@ -41,9 +47,9 @@ def ensure_batch_fits(
     An ``InsufficientSpaceError`` (a ``MemoryError``) rather than an argument error: the
     same ``batch_size`` fits on a machine with more memory free, and the check is about the
     memory, as the storage's own check before allocating the rows is."""
-    needed = batch_size * (row_bytes + ROW_OVERHEAD)
-    if needed < ALWAYS_FITS:
+    if always_fits(batch_size, row_bytes):
         return
+    needed = batch_size * (row_bytes + ROW_OVERHEAD)
     for device in dict.fromkeys(devices):
         free = free_bytes("tensor", device, Path("."))
         if needed > free:
