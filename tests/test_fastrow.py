@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import EpisodeStateError, SchemaError, SyncEpisodeReplayBuffer
+from replaybuf import EpisodeStateError, InvalidStateError, SchemaError, SyncEpisodeReplayBuffer
 from replaybuf.storage.fastrow import RowPlan, fast_value
 from replaybuf.storage.schema import FieldSpec
 from replaybuf.storage.staging import RowStager
@@ -284,39 +284,40 @@ def test_bools_of_any_true_byte_are_stored_as_one_on_every_path(by_address):
         assert set(stored.unique().tolist()) == {0, 1}
 
 
-def test_an_append_made_by_user_code_inside_an_append_stores_both_steps(by_address):
-    """An extras key of a ``str`` subclass runs user code when looked up (here its
-    ``__eq__`` appends another step to another episode of the same buffer). The fast path
-    declines such keys, so the outer step is converted first and staged after the nested
-    one: each episode keeps its own step (staged into a row chosen before the lookup, the
-    nested step's values were overwritten by the outer's)."""
+def test_an_append_made_by_user_code_inside_an_append_is_refused(by_address):
+    """An extras key of a ``str`` subclass runs user code when looked up (here its ``__eq__``
+    appends a step to another episode of the same buffer). That append is refused
+    (``InvalidStateError``, see tests/test_reentry.py) and the outer step is stored whole:
+    each episode holds exactly its own steps. (Staged into a row chosen before the lookup, the
+    nested step's values were overwritten by the outer's.)"""
     with SyncEpisodeReplayBuffer(64, storage="tensor") as buf:
         ep, other = buf.start_episode(), buf.start_episode()
+        first = (np.zeros(3, np.float32), 0, 0.0, {"k": 0.0})
         for episode in (ep, other):
-            buf.append_observation_action_reward(
-                episode, np.zeros(3, np.float32), 0, 0.0, {"k": 0.0}
-            )
-        fired = []
+            buf.append_observation_action_reward(episode, *first)
+        refused = []
 
         class Key(str):
             __hash__ = str.__hash__
 
             def __eq__(self, other_key):
-                if not fired:
-                    fired.append(True)
-                    step = (np.full(3, 7, np.float32), 7, 7.0, {"k": 7.0})
+                step = (np.full(3, 7, np.float32), 7, 7.0, {"k": 7.0})
+                try:
                     buf.append_observation_action_reward(other, *step)
+                except InvalidStateError as error:
+                    refused.append(str(error))
                 return str.__eq__(self, other_key)
 
         step = (np.full(3, 5, np.float32), 5, 5.0, {Key("k"): 5.0})
         buf.append_observation_action_reward(ep, *step)
-        assert fired
-        for episode, value in ((ep, 5), (other, 7)):
+        assert refused
+        for episode, steps in ((ep, [0, 5]), (other, [0])):
             buf.end_episode(episode, "truncated", np.zeros(3, np.float32))
             got = buf.get_episode(episode)
-            assert got["action"].tolist() == [0, value]
-            assert got["reward"].tolist() == got["k"].tolist() == [0.0, value]
-            assert got["observation"][:, 0].tolist() == [0.0, value, 0.0]
+            values = [float(s) for s in steps]
+            assert got["action"].tolist() == steps
+            assert got["reward"].tolist() == got["k"].tolist() == values
+            assert got["observation"][:, 0].tolist() == [*values, 0.0]
 
 
 def test_the_stored_row_is_a_copy_of_the_callers_array():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import replaybuf.storage.ringrow
-from replaybuf import ReplayBuffer, SchemaError
+from replaybuf import InvalidStateError, ReplayBuffer, SchemaError
 from replaybuf.storage import row_writer
 from replaybuf.storage.ringrow import RingRow, declined
 
@@ -353,16 +353,20 @@ def test_bool_tensors_copied_by_address_store_zero_or_one(by_address):
     assert stored[0] == stored[1] == [[[0, 0, 0], [1, 0, 1]], [0, 1]]
 
 
-def test_an_add_nested_in_an_add_leaves_the_outer_rows_tensors_intact(by_address):
-    """User code run while a transition is checked (here a key's ``__eq__``) may add another
-    transition: the nested add takes the general path, and the outer one still stores its
-    own tensors (a shared address list would have lost them)."""
+def test_an_add_nested_in_an_add_is_refused_and_the_outer_row_is_intact(by_address):
+    """User code run while a transition is checked (here a key's ``__eq__``) that adds another
+    transition is refused (``InvalidStateError``, see tests/test_reentry.py), and the outer
+    add still stores its own tensors, with no address left behind."""
+    refused = []
 
     class Key(str):
         __hash__ = str.__hash__
 
         def __eq__(self, other):
-            buf.add({**FIRST, "obs": torch.full((3,), 7.0)})
+            try:
+                buf.add({**FIRST, "obs": torch.full((3,), 7.0)})
+            except InvalidStateError as error:
+                refused.append(str(error))
             return str.__eq__(self, other)
 
     with ReplayBuffer("cpu", "cpu", 8, storage="tensor", spec=SPEC) as buf:
@@ -371,8 +375,10 @@ def test_an_add_nested_in_an_add_leaves_the_outer_rows_tensors_intact(by_address
         del outer["value"]
         outer[Key("value")] = 0.0
         buf.add(outer)
+        assert refused
+        assert all("add: called while another call" in message for message in refused)
         assert not row_writer(buf._slots).sources.any()
-        assert buf.sample_all()["obs"][:, 0].tolist() == [0.0, 7.0, 5.0]
+        assert buf.sample_all()["obs"][:, 0].tolist() == [0.0, 5.0]
 
 
 def test_a_one_transition_tensordict_takes_the_fast_path_and_others_do_not(monkeypatch):

@@ -30,6 +30,7 @@ class EpisodeEpochs:
 
     # What the buffer provides (set in SyncEpisodeReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _core: EpisodeCore
     _generator: torch.Generator
     max_steps: int

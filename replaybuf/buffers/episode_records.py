@@ -25,6 +25,7 @@ class EpisodeRecords:
 
     # What the buffer provides (set in SyncEpisodeReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _core: EpisodeCore
     _generator: torch.Generator
     device: torch.device

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from replaybuf.args import NArg, check_gamma, check_n, positive_int
-from replaybuf.buffers.locking import synchronized
+from replaybuf.buffers.locking import reentered, synchronized
 from replaybuf.episodes import EpisodeCore
 from replaybuf.errors import EmptyBufferError
 from replaybuf.sampling import DeviceDraws, Paths, check_layout, choose, torchrl_transitions
@@ -37,6 +37,7 @@ class EpisodeSampling:
     _draws: DeviceDraws
     _paths: Paths | None
     _closed: bool
+    _calling: bool
     # sample_n_step's last arguments, as given with what was read of the buffer, and their
     # checked values (n, whether TorchRL's layout): see sample_n_step.
     _nstep_checked: tuple[tuple[Any, ...], NArg, bool] | None
@@ -104,6 +105,10 @@ class EpisodeSampling:
         # caches, so the sampling calls make as few as they can.
         lock = self._lock
         lock.acquire()
+        if self._calling:  # called from code run inside another call (buffers.locking)
+            lock.release()
+            raise reentered("sample_n_step")
+        self._calling = True
         try:
             # A call that repeats the last one's arguments (a training loop's every call) reuses
             # their checks: one comparison instead of six calls, each slow after the last
@@ -135,6 +140,7 @@ class EpisodeSampling:
                     self._nstep_checked = (given, n, torchrl)
             batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
         finally:
+            self._calling = False
             lock.release()
         return torchrl_transitions(batch, gamma) if torchrl else batch
 

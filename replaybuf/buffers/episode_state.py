@@ -43,6 +43,7 @@ class EpisodePersistence:
 
     # What the buffer provides (set in SyncEpisodeReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _core: EpisodeCore
     _generator: torch.Generator
     _draws: DeviceDraws

@@ -28,7 +28,7 @@ from replaybuf.buffers.episode_epochs import EpisodeEpochs
 from replaybuf.buffers.episode_records import EpisodeRecords
 from replaybuf.buffers.episode_sampling import EpisodeSampling
 from replaybuf.buffers.episode_state import EpisodePersistence
-from replaybuf.buffers.locking import synchronized
+from replaybuf.buffers.locking import reentered, synchronized
 from replaybuf.episodes import (
     STATUSES,
     EpisodeCore,
@@ -113,6 +113,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence,
         ragged: str = "nested",
     ) -> None:
         self._lock = threading.RLock()  # every public call runs under it (buffers.locking)
+        self._calling = False  # a public call is running (buffers.locking)
         self.max_steps = positive_int(max_steps, "max_steps")
         self._declared = None if spec is None else FieldSpec.declare(spec)
         self.ragged = check_ragged_form(ragged)
@@ -223,6 +224,10 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence,
         # costs about twice as much, once per step.
         lock = self._lock
         lock.acquire()
+        if self._calling:  # called from code run inside another call (buffers.locking)
+            lock.release()
+            raise reentered(_APPEND_ONE)
+        self._calling = True
         try:
             if self._closed:
                 self._check_open()
@@ -237,6 +242,7 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence,
             row = core.step_row(observation, action, reward, extras, False, _APPEND_ONE)
             core.append([episode], row)
         finally:
+            self._calling = False
             lock.release()
 
     def append_batch(
@@ -250,7 +256,12 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence,
         """One step for each of several episodes (a vectorized env); leading dim = episodes."""
         # The lock inline, acquired and released by hand: a `with` block or a decorator
         # costs about twice as much, once per step.
-        self._lock.acquire()
+        lock = self._lock
+        lock.acquire()
+        if self._calling:  # called from code run inside another call (buffers.locking)
+            lock.release()
+            raise reentered("append_batch")
+        self._calling = True
         try:
             self._check_open()
             # Ids kept in an integer numpy array (a vector env's bookkeeping) as plain ints, so
@@ -283,7 +294,8 @@ class SyncEpisodeReplayBuffer(EpisodeEpochs, EpisodeRecords, EpisodePersistence,
                 )
             core.append(episodes, rows)
         finally:
-            self._lock.release()
+            self._calling = False
+            lock.release()
 
     @synchronized
     def append_steps(

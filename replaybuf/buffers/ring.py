@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,40 +21,35 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
-from replaybuf.args import INT64_MAX, check_seed, index_tensor, positive_int, seed_or_draw
-from replaybuf.buffers.locking import synchronized
+from replaybuf.args import check_seed, positive_int, seed_or_draw
+from replaybuf.buffers.locking import reentered, synchronized
 from replaybuf.buffers.ring_epochs import RingEpochs
 from replaybuf.buffers.ring_priorities import RingPriorities
+from replaybuf.buffers.ring_reads import RingReads
 from replaybuf.buffers.ring_state import RingPersistence
 from replaybuf.errors import (
     ArgumentError,
-    ArgumentTypeError,
     BufferClosedError,
-    EmptyBufferError,
     SchemaError,
 )
-from replaybuf.priority import Prioritizer, priority_stats, ring_keys
-from replaybuf.sampling.budget import ensure_batch_fits
+from replaybuf.priority import Prioritizer, priority_stats
 from replaybuf.storage import (
     NORMAL_TENSORS,
     FieldSpec,
     Key,
     SlotStorage,
     chunk_writer,
-    field_key,
     key_name,
     resolve_device,
     resolve_kind,
     row_writer,
     to_leaves,
-    uniform_batch,
 )
 
 logger = logging.getLogger("replaybuf")
-_NO_BATCH_SIZE = object()  # `_require()` without a batch size to check (None is a bad one)
 
 
-class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
+class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence, RingReads):
     """A fixed-size transition buffer storing on ``storing_device`` and serving on ``device``.
 
     Args:
@@ -103,6 +98,7 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
     ) -> None:
         # Every public call runs under it (replaybuf.buffers.locking).
         self._lock = threading.RLock()
+        self._calling = False  # a public call is running (buffers.locking)
         self._device = resolve_device(device, "device")
         self._storing_device = resolve_device(storing_device, "storing_device")
         capacity = positive_int(buffer_size, "buffer_size")
@@ -281,6 +277,10 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         """Add one transition (a TensorDict with empty batch size, or a dict of values)."""
         lock = self._lock  # inline, as the per-step appends: the per-step hot path
         lock.acquire()
+        if self._calling:  # called from code run inside another call (buffers.locking)
+            lock.release()
+            raise reentered("add")
+        self._calling = True
         try:
             if self._closed:
                 self._check_open()  # raises
@@ -297,6 +297,7 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
             else:
                 self._advance(1)
         finally:
+            self._calling = False
             lock.release()
 
     def _add(self, experience: TensorDictBase | dict[str, Any]) -> None:
@@ -318,6 +319,10 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         # The lock by hand, as the per-step appends take it: a chunk insert is a hot path.
         lock = self._lock
         lock.acquire()
+        if self._calling:  # called from code run inside another call (buffers.locking)
+            lock.release()
+            raise reentered("add_batch")
+        self._calling = True
         try:
             self._check_open()
             # The chunk writer chosen for this storage (replaybuf.storage.ringchunk): the spec's
@@ -328,6 +333,7 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
             else:
                 self._add_batch(batch)
         finally:
+            self._calling = False
             lock.release()
 
     def _add_batch(self, batch: TensorDictBase | dict[str, Any]) -> None:
@@ -400,81 +406,6 @@ class ReplayBuffer(RingEpochs, RingPriorities, RingPersistence):
         self._pointer = (self._pointer + rows) % capacity
         self._size = min(self._size + rows, capacity)
         self._writes += rows
-
-    # ----------------------------------------------------------------- reads
-    def _require(self, batch_size: Any = _NO_BATCH_SIZE) -> None:
-        self._check_open()
-        if batch_size is not _NO_BATCH_SIZE:
-            positive_int(batch_size, "batch_size")
-        if self._size == 0:
-            raise EmptyBufferError("cannot sample: the buffer is empty")
-
-    def _oldest_first(self) -> torch.Tensor:
-        """Slots of the stored transitions, oldest first."""
-        order = torch.arange(self._size, device=self.storing_device)
-        if self._size == self.buffer_size:
-            order = (order + self._pointer) % self.buffer_size
-        return order
-
-    def sample_batch(self, batch_size: int) -> TensorDict:
-        """``batch_size`` transitions drawn uniformly with replacement, on ``device``."""
-        lock = self._lock  # inline, as the per-step appends: the sampling hot path
-        lock.acquire()
-        try:
-            # One check of what a batch size usually is; anything else gets _require's verdict.
-            ok = type(batch_size) is int and 0 < batch_size <= INT64_MAX and self._size
-            if self._closed or not ok:
-                self._require(batch_size)
-            device, slots = self._device, self._slots
-            spec = slots.spec
-            if spec is not None:  # before the draws: a refusal leaves the generator as it was
-                ensure_batch_fits(batch_size, spec.row_bytes, (device, self._storing_device))
-            if self._priorities is not None:
-                drawn, weight = self._priorities.draw(batch_size, self._generator)
-                extra = ring_keys(drawn, weight, self._writes, self.buffer_size, device)
-                return slots.gather(drawn, device, extra=extra)
-            batch = uniform_batch(slots)  # on the host: the same draw, gathered in fewer calls
-            if batch is not None and device == self._storing_device:
-                return batch(self._size, batch_size, self._generator)
-            drawn = torch.randint(
-                0, self._size, (batch_size,), generator=self._generator, device=self._storing_device
-            )
-            return slots.gather(drawn, device)
-        finally:
-            lock.release()
-
-    def sample_random(self, batch_size: int) -> TensorDict:
-        """Alias of :meth:`sample_batch` (ObjectRL's name)."""
-        return self.sample_batch(batch_size)
-
-    @synchronized
-    def sample_by_index(self, indices: Sequence[int] | range | torch.Tensor) -> TensorDict:
-        """The transitions in the given storage slots (each in ``[0, size)``), on ``device``."""
-        self._require()
-        slots = index_tensor(indices, "indices", self._size, self.storing_device)
-        return self._slots.gather(slots, self.device)
-
-    @synchronized
-    def sample_by_index_fields(
-        self, indices: Sequence[int] | range | torch.Tensor, fields: Sequence[str | Key]
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Some fields of the transitions in the given slots: a tensor, or a tuple in order."""
-        self._require()
-        if isinstance(fields, str) or not fields:
-            raise ArgumentTypeError(
-                f"fields must be a non-empty list of field names, got {fields!r}"
-            )
-        keys = [field_key(self.spec, f) for f in fields]
-        slots = index_tensor(indices, "indices", self._size, self.storing_device)
-        td = self._slots.gather(slots, self.device, keys=keys)
-        values = tuple(td.get(k) for k in keys)
-        return values[0] if len(values) == 1 else values
-
-    @synchronized
-    def sample_all(self) -> TensorDict:
-        """Every stored transition, oldest first, on ``device``."""
-        self._require()
-        return self._slots.gather(self._oldest_first(), self.device)
 
     # ----------------------------------------------------------------- introspection
     @synchronized

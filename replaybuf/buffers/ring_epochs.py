@@ -32,6 +32,7 @@ class RingEpochs:
 
     # What the buffer provides (set in ReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _slots: SlotStorage
     _priorities: Prioritizer | None
     _generator: torch.Generator

@@ -21,6 +21,7 @@ class RingPriorities:
 
     # What the buffer provides (set in ReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _priorities: Prioritizer | None
     _size: int
     _writes: int

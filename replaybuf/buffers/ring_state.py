@@ -39,6 +39,7 @@ class RingPersistence:
 
     # What the buffer provides (set in ReplayBuffer.__init__).
     _lock: Any
+    _calling: bool
     _slots: SlotStorage
     _priorities: Prioritizer | None
     _generator: torch.Generator
