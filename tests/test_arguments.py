@@ -243,16 +243,22 @@ def test_repeated_n_step_arguments_are_checked_as_the_first_were(monkeypatch):
     buf.layout = "torchrl"  # the buffer's default layout changed: the next batch follows it
     assert ("next", "reward") in buf.sample_n_step(4, n=3, gamma=0.9).keys(True, True)
     buf.layout = "replaybuf"
+    # A numpy number's checks are not kept: a Python float it equals after rounding (here
+    # above 1) is checked afresh.
+    buf.sample_n_step(4, n=3, gamma=np.float32(1.0))
+    refused(lambda: buf.sample_n_step(4, n=3, gamma=1.00000003), ArgumentError, "gamma")
+    buf.close()
+    twin.close()
     # Every batch read against the free memory: nothing is kept, the second call reads again.
     monkeypatch.setattr(budget, "ALWAYS_FITS", 0)
     free = [1 << 40]
     monkeypatch.setattr(budget, "free_bytes", lambda kind, device, folder: free[0])
+    buf = episodes()
     buf.sample_n_step(4, n=3, gamma=0.9)
     assert buf._nstep_checked is None
     free[0] = 1
     refused(lambda: buf.sample_n_step(4, n=3, gamma=0.9), InsufficientSpaceError, "batch_size=")
     buf.close()
-    twin.close()
 
 
 def test_a_batch_is_measured_against_the_free_memory(monkeypatch):

@@ -28,7 +28,8 @@ from replaybuf.storage import FieldSpec
 
 
 class EpisodeSampling:
-    """Transition and sequence batches of a :class:`SyncEpisodeReplayBuffer` (its base class)."""
+    """Transition and sequence batches of a :class:`SyncEpisodeReplayBuffer` (which inherits
+    this class)."""
 
     # What the buffer provides (set in SyncEpisodeReplayBuffer.__init__).
     _lock: Any
@@ -136,7 +137,14 @@ class EpisodeSampling:
                 window = min(n[1], self.max_steps) if isinstance(n, tuple) else n
                 row = transition_bytes(self._core.slots.spec, self.frame_stack or 1, window)
                 ensure_batch_fits(batch_size, row, (self.device, self.storing_device))
-                if spec is self._core.slots.spec and always_fits(batch_size, row):
+                if (  # kept for arguments a repeat can equal only by being the same values
+                    type(given[0]) is int
+                    and type(given[1]) is int
+                    and type(given[2]) is float
+                    and (layout is None or type(layout) is str)
+                    and spec is self._core.slots.spec
+                    and always_fits(batch_size, row)
+                ):
                     self._nstep_checked = (given, n, torchrl)
             batch = self._chosen_paths().n_step(batch_size, n, gamma, replace)
         finally:
