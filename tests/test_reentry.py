@@ -135,3 +135,49 @@ def test_a_signal_handler_sampling_during_appends_changes_no_step():
     assert torch.equal(episode["observation"][:-1], steps.float()[:, None].expand(-1, 3))
     assert outcomes["drawn"] + outcomes["refused"] > 0, outcomes
     print(outcomes, file=sys.stderr)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_a_signal_handler_sampling_the_sb3_adapter_during_adds_changes_no_transition():
+    """The SB3 adapter keeps rows of its own (staged steps, each env's newest transition):
+    a timer's handler sampling it during ``add`` is refused there too, and every transition
+    stored holds its own values (before, one of 20,000 sampled did not, and a sample could
+    raise a bare ``KeyError``)."""
+    pytest.importorskip("stable_baselines3")
+    from gymnasium import spaces
+
+    from replaybuf.integrations.sb3 import SB3ReplayBuffer
+
+    box = spaces.Box(-1e9, 1e9, (3,), np.float32)
+    act = spaces.Box(-1e9, 1e9, (1,), np.float32)
+    outcomes = {"drawn": 0, "refused": 0}
+
+    def transition(t: int) -> tuple:
+        obs = np.full((1, 3), t, np.float32)
+        done = np.array([float(t % 50 == 49)], np.float32)
+        return obs, obs + 1, np.array([[t]], np.float32), np.array([float(t)], np.float32), done
+
+    with SB3ReplayBuffer(100_000, box, act, device="cpu", storage="tensor", seed=0) as rb:
+        rb.add(*transition(0), [{}])
+
+        def handler(signum, frame):
+            try:
+                rb.sample(8)
+                outcomes["drawn"] += 1
+            except InvalidStateError:
+                outcomes["refused"] += 1
+
+        previous = signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.003, 0.003)
+        try:
+            for t in range(1, 60_000):
+                rb.add(*transition(t), [{}])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            signal.signal(signal.SIGALRM, previous)
+        batch = rb.sample(20_000)
+    obs = batch.observations[:, 0]
+    assert torch.equal(batch.actions[:, 0], obs)
+    assert torch.equal(batch.rewards[:, 0], obs)
+    assert torch.equal(batch.next_observations[:, 0], obs + 1)
+    assert outcomes["drawn"] + outcomes["refused"] > 0, outcomes

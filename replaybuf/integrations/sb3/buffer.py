@@ -25,6 +25,7 @@ from replaybuf.errors import (
     UnsupportedError,
 )
 from replaybuf.integrations.sb3 import checks, fastadd, pickling
+from replaybuf.integrations.sb3.calls import one_call
 from replaybuf.integrations.sb3.held import HeldAside
 from replaybuf.integrations.sb3.samples import interleave, stored_fields
 from replaybuf.integrations.sb3.staged import StagedSteps
@@ -229,12 +230,14 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         return self.transitions // self.n_envs
 
     @property
+    @one_call
     def transitions(self) -> int:
         """Transitions ``sample`` draws from (stored steps, the newest of each env included)."""
         self._hand_over()
         return len(self._buffer) + self._held.count
 
     @property
+    @one_call
     def episode_buffer(self) -> SyncEpisodeReplayBuffer:
         """The replaybuf episode buffer underneath (sequences, episodes, stats, checkpoints).
 
@@ -256,6 +259,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
             with self._buffer._lock:  # add stages under it: the count and rows agree
                 staged.hand_over(self._buffer, self._held)
 
+    @one_call
     def stats(self) -> dict[str, Any]:
         """The episode buffer's stats plus this adapter's counters."""
         self._hand_over()
@@ -347,6 +351,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._primed = True
 
     # ----------------------------------------------------------------- sampling
+    @one_call
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """``batch_size`` transitions drawn uniformly with replacement over every transition
         held, as SB3's ``ReplayBufferSamples`` on ``self.device``.
@@ -418,6 +423,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         )
 
     # ----------------------------------------------------------------- lifecycle
+    @one_call
     def reset(self) -> None:
         """Drop every transition (SB3's ``reset``); episode ids keep counting."""
         self._check_open()
@@ -425,6 +431,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self._buffer.clear()
         self._reset_state()
 
+    @one_call
     def close(self) -> None:
         """Release the storage and remove its memmap files. Idempotent.
 
@@ -453,6 +460,7 @@ class SB3ReplayBuffer(_SB3ReplayBuffer):
         self.close()
 
     # ----------------------------------------------------------------- pickling
+    @one_call
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state (``model.save_replay_buffer``): plain data, stored rows copied
         (memmap ones too), see :mod:`~replaybuf.integrations.sb3.pickling`. A closed buffer

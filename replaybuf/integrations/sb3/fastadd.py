@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from replaybuf.buffers.locking import reentered
+
 if TYPE_CHECKING:
     from replaybuf.integrations.sb3.buffer import SB3ReplayBuffer
 
@@ -128,12 +130,17 @@ def add(
     error (``SchemaError`` naming the argument) the buffer is unchanged."""
     # SB3ReplayBuffer.add itself (a class attribute there), so one Python call per step: with
     # one env the fast path is written out here; several envs go through add_exact.
+    buf = rb._buffer
+    lock = buf._lock
+    if lock._is_owned():  # called by code run during another adapter call (sb3.calls)
+        raise reentered("SB3ReplayBuffer.add")
     if rb._closed:
         rb._check_open()
     staged = rb._staged
     if staged is None:
-        if not (rb._fast_add and add_exact(rb, obs, next_obs, action, reward, done, infos)):
-            rb._add_general(obs, next_obs, action, reward, done, infos)
+        with lock:  # the adapter's rows change under the lock (sb3.calls)
+            if not (rb._fast_add and add_exact(rb, obs, next_obs, action, reward, done, infos)):
+                rb._add_general(obs, next_obs, action, reward, done, infos)
         return
     if not (
         rb._fast_add
@@ -173,8 +180,7 @@ def add(
     # episode-buffer calls are the general path's, in its order. Under the episode buffer's
     # lock (re-entrant: those calls take it again), so that a hand-over by another thread's
     # read (sample, size) sees the stage and its count agree.
-    adds, buf = rb._adds, rb._buffer
-    lock = buf._lock
+    adds = rb._adds
     lock.acquire()
     try:
         at = staged.count
@@ -212,9 +218,11 @@ def add(
 
 
 def _general(rb: SB3ReplayBuffer, *args: Any) -> None:
-    """The general path, after the staged steps are handed over."""
-    rb._hand_over()
-    rb._add_general(*args)
+    """The general path, after the staged steps are handed over, under the episode buffer's
+    lock as every change to the adapter's rows (sb3.calls)."""
+    with rb._buffer._lock:
+        rb._hand_over()
+        rb._add_general(*args)
 
 
 def _all_dicts(infos: Any, n: int) -> bool:
