@@ -90,18 +90,11 @@ class RowPlan:
         return cls(spec, sources, arrays)
 
     def _extras_fit(self, extras: Any) -> bool:
-        """Whether ``extras`` names exactly the spec's extras (None when it has none), by keys
-        of type ``str`` itself. A key of a subclass runs user code when looked up (its
-        ``__eq__``), which could write to this buffer between the staging row being chosen
-        and filled; the general path converts every value before it chooses a row."""
+        """Whether ``extras`` names exactly the spec's extras (None when it has none). A key's
+        ``__eq__`` that calls this buffer again is refused (replaybuf.buffers.locking)."""
         if extras is None:
             return not self.extras
-        if type(extras) is not dict:
-            return False
-        for key in extras:
-            if type(key) is not str:
-                return False
-        return extras.keys() == self.extras
+        return type(extras) is dict and extras.keys() == self.extras
 
     def stage(self, at: int, step: tuple[Any, Any, Any, Any]) -> bool:
         """Write ``step`` (observation, action, reward, extras) into row ``at`` of the columns;
