@@ -4,8 +4,8 @@ anything, and the outer call completes as if the inner one had not been made."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import sys
 
 import numpy as np
 import pytest
@@ -31,6 +31,29 @@ class CallsBack(TorchFunctionMode):
             except InvalidStateError as error:
                 self.refused.append(str(error))
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def calls_on_a_timer(call, seconds: float):
+    """Run ``call`` from a SIGALRM handler every ``seconds`` inside the block; yields the
+    count of calls made (``drawn``) and refused."""
+    outcomes = {"drawn": 0, "refused": 0}
+
+    def handler(signum, frame):
+        try:
+            call()
+            outcomes["drawn"] += 1
+        except InvalidStateError:
+            outcomes["refused"] += 1
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
+    try:
+        yield outcomes
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert outcomes["drawn"] + outcomes["refused"] > 0, outcomes
 
 
 def step(t: int) -> tuple:
@@ -105,36 +128,19 @@ def test_a_signal_handler_sampling_during_appends_changes_no_step():
     that land inside an append are refused, the others drawn, and every stored step holds its
     own values in order (before the refusal, a sample inside an append flushed the stager under
     it: mixed rows, or a crash)."""
-    outcomes = {"drawn": 0, "refused": 0}
-
     with SyncEpisodeReplayBuffer(40_000, storage="tensor", seed=0) as buf:
         ep = buf.start_episode()
         for t in range(4):
             buf.append_observation_action_reward(ep, np.full(3, t, np.float32), t, float(t))
-
-        def handler(signum, frame):
-            try:
-                buf.sample_n_step(4)
-                outcomes["drawn"] += 1
-            except InvalidStateError:
-                outcomes["refused"] += 1
-
-        previous = signal.signal(signal.SIGALRM, handler)
-        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
-        try:
+        with calls_on_a_timer(lambda: buf.sample_n_step(4), 0.0002):
             for t in range(4, 30_000):
                 buf.append_observation_action_reward(ep, np.full(3, t, np.float32), t, float(t))
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0, 0)
-            signal.signal(signal.SIGALRM, previous)
         buf.end_episode(ep, "truncated", np.zeros(3, np.float32))
         episode = buf.get_episode(ep)
     steps = torch.arange(30_000)
     assert torch.equal(episode["action"], steps)
     assert torch.equal(episode["reward"], steps.float())
     assert torch.equal(episode["observation"][:-1], steps.float()[:, None].expand(-1, 3))
-    assert outcomes["drawn"] + outcomes["refused"] > 0, outcomes
-    print(outcomes, file=sys.stderr)
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
@@ -150,7 +156,6 @@ def test_a_signal_handler_sampling_the_sb3_adapter_during_adds_changes_no_transi
 
     box = spaces.Box(-1e9, 1e9, (3,), np.float32)
     act = spaces.Box(-1e9, 1e9, (1,), np.float32)
-    outcomes = {"drawn": 0, "refused": 0}
 
     def transition(t: int) -> tuple:
         obs = np.full((1, 3), t, np.float32)
@@ -159,25 +164,11 @@ def test_a_signal_handler_sampling_the_sb3_adapter_during_adds_changes_no_transi
 
     with SB3ReplayBuffer(100_000, box, act, device="cpu", storage="tensor", seed=0) as rb:
         rb.add(*transition(0), [{}])
-
-        def handler(signum, frame):
-            try:
-                rb.sample(8)
-                outcomes["drawn"] += 1
-            except InvalidStateError:
-                outcomes["refused"] += 1
-
-        previous = signal.signal(signal.SIGALRM, handler)
-        signal.setitimer(signal.ITIMER_REAL, 0.003, 0.003)
-        try:
+        with calls_on_a_timer(lambda: rb.sample(8), 0.003):
             for t in range(1, 60_000):
                 rb.add(*transition(t), [{}])
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0, 0)
-            signal.signal(signal.SIGALRM, previous)
         batch = rb.sample(20_000)
     obs = batch.observations[:, 0]
     assert torch.equal(batch.actions[:, 0], obs)
     assert torch.equal(batch.rewards[:, 0], obs)
     assert torch.equal(batch.next_observations[:, 0], obs + 1)
-    assert outcomes["drawn"] + outcomes["refused"] > 0, outcomes
