@@ -2,9 +2,10 @@
 copy (:func:`replaybuf.accel.numba_rows.copy_row`), the columns' layout it takes, and which
 fields' tensors may go that way.
 
-A tensor's bytes are copied from its ``data_ptr()`` only after its caller checked, inline, that
-it is a strided CPU tensor of the field's exact dtype and shape, contiguous (always so when 0-d)
-and without torch's negative bit: then its bytes are the values it holds, row-major. A tensor
+A tensor's bytes are copied from its ``data_ptr()`` only after its caller checked that it is a
+strided CPU tensor of the field's exact dtype and shape, contiguous (always so when 0-d) and
+without torch's negative bit (by torch's guard in one call, :mod:`replaybuf.storage.tensorguard`,
+or inline, attribute by attribute): then its bytes are the values it holds, row-major. A tensor
 whose ``data_ptr()`` is 0 has no memory behind it (a zero tensor's, or functionalization's):
 the caller declines it to the general path. Complex fields never go this way (a conjugate bit
 would need checking too); their tensors take ``numpy()``. A bool field's bytes are stored as
@@ -36,8 +37,19 @@ def row_copier(columns: list[np.ndarray]) -> CopyRow | None:
     kernels = compiled_kernels()
     if kernels is None or not all(column.flags.c_contiguous for column in columns):
         return None
-    copy_row: CopyRow = kernels.copy_row
-    return copy_row
+    return _entry_point(kernels.copy_row)
+
+
+def _entry_point(kernel: CopyRow) -> CopyRow:
+    """The compiled function of ``kernel``'s one signature, called without the dispatcher's
+    type matching (half a per-step call's cost of it). The callers pass exactly that
+    signature's types: their layout (read-only) and sources arrays and an int row. The
+    dispatcher itself where numba keeps compiled functions otherwise."""
+    overloads = getattr(kernel, "overloads", None)
+    if not isinstance(overloads, dict) or len(overloads) != 1:
+        return kernel
+    entry = getattr(next(iter(overloads.values())), "entry_point", None)
+    return entry if callable(entry) else kernel
 
 
 def layout(columns: list[np.ndarray]) -> np.ndarray:
