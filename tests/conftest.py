@@ -11,6 +11,7 @@ import pytest
 
 from replaybuf import ReplayBuffer, SyncEpisodeReplayBuffer
 from replaybuf.accel.numba_loader import NUMBA_ENV, compiled_kernels, kernels_unavailable_reason
+from replaybuf.storage.tensorguard import GUARD_ENV
 
 # On a fresh checkout the first use of replaybuf.accel.numba_kernels compiles them (a few seconds;
 # numba
@@ -74,13 +75,17 @@ def storage(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["kernels", "numpy"])
+@pytest.fixture(params=["kernels", "attributes", "numpy"])
 def by_address(request, monkeypatch) -> bool:
     """Whether the per-step fast paths copy tensors from their addresses (the compiled kernels
-    run) or through numpy() (``REPLAYBUF_NUMBA=0``): the buffers a test makes take that path."""
+    run) or through numpy() (``REPLAYBUF_NUMBA=0``): the buffers a test makes take that path.
+    By address, tensors are checked by torch's guard first ("kernels") or by their attributes
+    alone ("attributes": ``REPLAYBUF_TENSOR_GUARD=0``)."""
     if request.param == "numpy":
         monkeypatch.setenv(NUMBA_ENV, "0")
         return False
+    if request.param == "attributes":
+        monkeypatch.setenv(GUARD_ENV, "0")
     if compiled_kernels() is None:
         pytest.skip(f"the compiled kernels do not run: {kernels_unavailable_reason()}")
     return True

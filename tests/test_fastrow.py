@@ -8,6 +8,7 @@ bit for bit. Declined values must reach the general path, which converts or rais
 
 from __future__ import annotations
 
+import os
 import re
 from functools import partial
 from unittest import mock
@@ -22,6 +23,7 @@ from replaybuf import EpisodeStateError, InvalidStateError, SchemaError, SyncEpi
 from replaybuf.storage.fastrow import RowPlan, fast_value
 from replaybuf.storage.schema import FieldSpec
 from replaybuf.storage.staging import RowStager
+from replaybuf.storage.tensorguard import GUARD_ENV
 
 
 def spec_of(leaves: dict) -> FieldSpec:
@@ -156,6 +158,7 @@ def test_fast_and_general_paths_store_the_same_rows(by_address, kinds, seed, max
         plan = fast._core._plan
         assert plan is not None
         assert (plan.copy_row is not None) is by_address
+        assert plan.guarded is (by_address and os.environ.get(GUARD_ENV) != "0")
         for kind in kinds:
             assert not plan.sources.any()  # no address stays from one call to the next
             if kind == "end":

@@ -7,6 +7,8 @@ everything as it was) as a buffer whose every add takes the general path.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ import replaybuf.storage.ringrow
 from replaybuf import InvalidStateError, ReplayBuffer, SchemaError
 from replaybuf.storage import row_writer
 from replaybuf.storage.ringrow import RingRow, declined
+from replaybuf.storage.tensorguard import GUARD_ENV
 
 SPEC = {
     "obs": ((3,), torch.float32),
@@ -86,15 +89,23 @@ FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=64) | st.sampled_f
 INTS = st.integers(-(2**63) - 5, 2**63 + 5) | st.integers(-40000, 40000)
 
 
+# Tensors only (a row of them meets the whole-row guard first): exact, or any
+EXACT_TENSORS = ["tensor", "offset"]
+TENSOR_KINDS = [*EXACT_TENSORS, "grad", "strided", "negative", "sparse", "wrong shape",
+                "no memory", "wrong dtype"]  # fmt: skip
+
+
 @st.composite
-def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
+def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool, tensors=None):
     """A value for a field: an exact match in any input form, or (unless ``exact``) maybe a
-    near miss."""
+    near miss; or a tensor of one of the kinds ``tensors`` lists."""
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     numel = int(np.prod(shape))
     exact_kinds = ["numpy", "tensor", "number", "npscalar"]
     kind = draw(
-        st.sampled_from(exact_kinds)
+        st.sampled_from(tensors)
+        if tensors
+        else st.sampled_from(exact_kinds)
         if exact
         else st.sampled_from(
             [
@@ -145,7 +156,9 @@ def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
         other = draw(st.sampled_from([np.float16, np.float64, np.int32, np.uint8, np.bool_]))
         with np.errstate(all="ignore"):
             cast = base.astype(other)
-        return torch.from_numpy(cast) if draw(st.booleans()) else cast
+        return torch.from_numpy(cast) if tensors or draw(st.booleans()) else cast
+    if kind == "no memory":  # data_ptr() 0
+        return torch._efficientzerotensor(shape, dtype=dtype)
     if kind == "wrong shape":
         return torch.zeros((*shape, 1), dtype=dtype)
     if kind == "grad":
@@ -165,7 +178,7 @@ def values(draw, shape: tuple[int, ...], dtype: torch.dtype, exact: bool):
         return torch.from_numpy(base.copy()).to_sparse() if shape else torch.from_numpy(base)
     if kind == "strided":  # a non-contiguous view of the right shape
         wide = np.repeat(base[..., None], 2, axis=-1)[..., 0] if shape else base.copy()
-        return torch.from_numpy(wide) if draw(st.booleans()) else wide
+        return torch.from_numpy(wide) if tensors or draw(st.booleans()) else wide
     if kind == "list":
         return base.tolist()
     if kind == "none":
@@ -188,6 +201,21 @@ def experiences(draw):
     elif change == "not a dict":
         return list(out.values())
     if draw(st.booleans()):  # ObjectRL's form: one transition as a TensorDict
+        try:
+            return TensorDict(out, batch_size=[])
+        except Exception:  # values a TensorDict does not take: the dict as it is
+            return out
+    return out
+
+
+@st.composite
+def tensor_rows(draw):
+    """A transition of tensors alone, as a dict or ObjectRL's TensorDict: half of them exact."""
+    kinds = EXACT_TENSORS if draw(st.booleans()) else TENSOR_KINDS
+    out = {}
+    for name, (shape, dtype) in SPEC.items():
+        out[name] = draw(values(shape, dtype, True, tensors=kinds))
+    if draw(st.booleans()):
         try:
             return TensorDict(out, batch_size=[])
         except Exception:  # values a TensorDict does not take: the dict as it is
@@ -231,6 +259,7 @@ def test_fast_path_stores_and_refuses_as_the_general_path(
         writer = row_writer(fast._slots)
         assert isinstance(writer, RingRow)
         assert (writer.copy_row is not None) is by_address
+        assert writer.guarded is (by_address and os.environ.get(GUARD_ENV) != "0")
         for experience in steps:
             got = _outcome(ReplayBuffer.add, fast, experience)
             want = _outcome(general_add, general, experience)
@@ -246,6 +275,68 @@ def test_fast_path_stores_and_refuses_as_the_general_path(
     finally:
         fast.close()
         general.close()
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(steps=st.lists(tensor_rows(), min_size=1, max_size=12))
+def test_rows_of_tensors_store_and_refuse_as_the_general_path(tmp_path, by_address, steps):
+    """Rows whose every value is a tensor meet torch's guard over the whole row first (where
+    it runs): what it passes, what it refuses and the attribute checks then take or decline,
+    all stored or refused as the general path does."""
+    fast, general = pair(tmp_path, "tensor", 5, False)
+    try:
+        writer = row_writer(fast._slots)
+        assert isinstance(writer, RingRow)
+        assert (writer.row_guard is not None) is writer.guarded
+        for experience in steps:
+            assert _outcome(ReplayBuffer.add, fast, experience) == _outcome(
+                general_add, general, experience
+            )
+            assert not writer.sources.any()  # no address stays for the next call
+            same_state(state(fast), state(general))
+    finally:
+        fast.close()
+        general.close()
+
+
+def test_the_row_guard_takes_a_row_of_exact_tensors_in_one_call(monkeypatch):
+    """A row of exact tensors is checked by one guard call and no per-field one; a row with
+    one tensor the guard refuses (needing grad) falls to the field checks and is still taken,
+    as the general path takes it."""
+    with ReplayBuffer("cpu", "cpu", 4, storage="tensor", spec=SPEC) as buf:
+        buf.add(dict(FIRST))
+        writer = row_writer(buf._slots)
+        assert isinstance(writer, RingRow)
+        if writer.row_guard is None:
+            pytest.skip("no guard here (the kernels or torch's guard do not run)")
+        calls = {"row": 0, "field": 0}
+        guard = writer.row_guard
+
+        def counted(*values):
+            calls["row"] += 1
+            return guard(*values)
+
+        monkeypatch.setattr(writer, "row_guard", counted)
+        fields = []
+        for field in writer.fields:
+            field_guard = field[9]
+
+            def counted_field(value, field_guard=field_guard):
+                calls["field"] += 1
+                return field_guard(value)
+
+            fields.append((*field[:9], counted_field, *field[10:]))
+        monkeypatch.setattr(writer, "fields", fields)
+        row = {name: torch.ones(shape, dtype=dtype) for name, (shape, dtype) in SPEC.items()}
+        buf.add(row)
+        assert calls == {"row": 1, "field": 0}
+        buf.add({**row, "value": torch.ones((), dtype=torch.float64).requires_grad_()})
+        assert calls == {"row": 2, "field": len(SPEC)}
+        assert buf.sample_all()["value"].tolist() == [0.0, 1.0, 1.0]
 
 
 def test_fast_path_is_taken_for_exact_inputs_and_declines_the_rest():

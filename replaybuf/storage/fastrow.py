@@ -4,9 +4,11 @@ A step whose every value already has its field's exact shape and dtype (CPU tens
 arrays, or Python numbers the field holds) is copied straight into the staging columns through
 numpy views. The general path (``to_leaves``, a 0-d tensor per number, ``unsqueeze`` and
 ``copy_`` per field) makes several torch calls per field, each costing far more than a numpy
-item assignment. Anything else is declined here and takes the general path, which converts what
-it can and raises the precise error; so this module never raises for a value (an interrupt
-passes through, after the row's noted addresses are cleared) and never changes anything stored.
+item assignment. CPU tensors are checked by torch's guard (:mod:`replaybuf.storage.tensorguard`:
+the observation and action in one call) and copied from their addresses. Anything else is
+declined here and takes the general path, which converts what it can and raises the precise
+error; so this module never raises for a value (an interrupt passes through, after the row's
+noted addresses are cleared) and never changes anything stored.
 ``append_batch`` has the same path for ``[envs, ...]`` arrays and tensors (:meth:`batch_values`).
 """
 
@@ -20,6 +22,7 @@ import torch
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
 from replaybuf.storage.bools import assign_view
 from replaybuf.storage.schema import FieldSpec, has_memory
+from replaybuf.storage.tensorguard import field_guard, row_guard
 
 _STEP_KEYS = {("observation",): 0, ("action",): 1, ("reward",): 2}
 # What Tensor.numpy() raises for tensors it cannot view: RuntimeError (grad, conj/neg bits),
@@ -49,7 +52,8 @@ class RowPlan:
         # Per field: (argument 0..2 or 3 = extras, extras name, shape, dtype, numpy dtype,
         # the numpy view of its staging column values are assigned into (a bool column's as
         # uint8: replaybuf.storage.bools), whether a Python float goes straight in, its
-        # position, when a tensor's bytes go in from its address: replaybuf.storage.addresses).
+        # position, when a tensor's bytes go in from its address: replaybuf.storage.addresses,
+        # and the guard that checks such a tensor in one call: replaybuf.storage.tensorguard).
         self.fields: list[tuple[Any, ...]] = []
         # Tensors copied from their addresses in one call: the copy, the columns' layout, and
         # each call's addresses (0: none; copy_row sets them back to 0).
@@ -64,10 +68,20 @@ class RowPlan:
             shape, dtype = spec[key].shape, spec[key].dtype
             takes_float = shape == () and dtype in _FLOATS
             address = by_address(copy, dtype, shape)
+            guard = field_guard(dtype, shape) if address else None
             target = self.arrays[at]
             self.fields.append(
-                (arg, name, shape, dtype, array.dtype, target, takes_float, at, address)
+                (arg, name, shape, dtype, array.dtype, target, takes_float, at, address, guard)
             )
+        self.guarded = any(field[9] is not None for field in self.fields)  # any tensor guard
+        # The observation and action, both copied by address: one guard call for the pair, the
+        # other fields one by one (rewards are mostly numbers).
+        pair = sorted((field for field in self.fields if field[0] < 2), key=lambda f: f[0])
+        self.pair = None
+        if len(pair) == 2 and all(field[8] for field in pair):
+            self.pair = row_guard([(dtype, shape) for _, _, shape, dtype, *_ in pair])
+        self.pair_columns = [field[7] for field in pair]
+        self.rest = [field for field in self.fields if field[0] >= 2]
         self._columns = [torch.from_numpy(array) for array in arrays]  # put_finals' tensors
         self.extras = {name for arg, name in sources if arg == 3}
         # Per batch size: (argument, extras name, dtype, [size, *shape]) of each field.
@@ -113,14 +127,41 @@ class RowPlan:
         addressed = checked = False
         try:
             self.busy = True
-            for field in self.fields:
-                arg, name, shape, dtype, np_dtype, array, takes_float, column, address_of = field
+            fields = self.fields
+            pair = self.pair
+            observation = step[0]
+            if (
+                pair is not None
+                and type(observation) is torch.Tensor
+                and pair(observation, step[1])
+            ):
+                # an observation and action torch's guard passes, in one call: their addresses
+                observation, action = observation.data_ptr(), step[1].data_ptr()
+                if not (observation and action):  # no memory behind one: the general path
+                    return False
+                observation_at, action_at = self.pair_columns
+                sources[observation_at], sources[action_at] = observation, action
+                addressed = True
+                fields = self.rest
+            for field in fields:
+                arg, name, shape, dtype, np_dtype, array, takes_float, column, address_of, guard = (
+                    field
+                )
                 value = step[arg] if name is None else extras[name]
                 kind = type(value)
                 if kind is np.ndarray:
                     if value.dtype != np_dtype or value.shape != shape:
                         break
                 elif kind is torch.Tensor:
+                    # torch's guard passes the usual tensor in one call (as in RingRow); what
+                    # it refuses, the attribute checks below decide
+                    if guard is not None and guard(value):
+                        address = value.data_ptr()
+                        if not address:  # no memory behind it: the general path decides
+                            break
+                        sources[column] = address
+                        addressed = True
+                        continue
                     if (
                         value.dtype is not dtype
                         or not value.is_cpu

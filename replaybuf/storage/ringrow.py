@@ -7,15 +7,16 @@ check, ``SlotStorage.extend`` with TorchRL's bookkeeping through its state dicts
 dozen Python and torch calls per row. Here a dict (or a TensorDict of batch size [], ObjectRL's
 form, read through its entries by name) whose every value already has its field's exact shape
 and dtype (CPU tensors, numpy arrays and scalars, Python numbers the field holds) is checked
-whole, then written at TorchRL's writer cursor: contiguous CPU tensors copied from
-their addresses by one compiled call (:func:`~replaybuf.accel.numba_rows.copy_row`, where the
-kernels run), every other value assigned into the numpy view of its column (a bool column's
-bytes as uint8: :mod:`replaybuf.storage.bools`). TorchRL's counters
-are then advanced as its ``extend`` of one row would
-(:class:`~replaybuf.storage.torchrl_state.RowBookkeeping`). Anything else is declined, before
-anything is written, and takes the general path, which converts what it can and raises the
-precise error: this module never raises for a value and never writes a row it did not check
-whole.
+whole (a tensor by torch's guard in one call where it passes it,
+:mod:`replaybuf.storage.tensorguard`), then written at TorchRL's writer cursor: contiguous CPU
+tensors copied from their addresses by one compiled call
+(:func:`~replaybuf.accel.numba_rows.copy_row`, where the kernels run), every other value
+assigned into the numpy view of its column (a bool column's bytes as uint8:
+:mod:`replaybuf.storage.bools`). TorchRL's counters are then advanced as its ``extend`` of one
+row would (:class:`~replaybuf.storage.torchrl_state.RowBookkeeping`). Anything else is
+declined, before anything is written, and takes the general path, which converts what it can
+and raises the precise error: this module never raises for a value and never writes a row it
+did not check whole.
 
 :func:`row_writer` chooses, once per allocated storage (kept in ``SlotStorage.derived``, which
 is emptied whenever the columns change), between :class:`RingRow` and :func:`declined`: the
@@ -26,6 +27,7 @@ TorchRL that keeps its counters otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from tensordict import TensorDict
 from replaybuf.storage.addresses import ALWAYS, by_address, layout, row_copier
 from replaybuf.storage.bools import assign_view
 from replaybuf.storage.slots import SlotStorage
+from replaybuf.storage.tensorguard import field_guard, row_guard
 from replaybuf.storage.torchrl_state import RowBookkeeping, row_bookkeeping
 
 _KEY = "storage.ringrow"  # its entry in SlotStorage.derived
@@ -81,7 +84,8 @@ class RingRow:
     ) -> None:
         # Per field: (its position, name, torch dtype, shape, numpy dtype, numpy scalar type,
         # the Python number type it takes (float, bool, int or None), that number's limits,
-        # when a tensor's bytes go in from its address (replaybuf.storage.addresses), and the
+        # when a tensor's bytes go in from its address (replaybuf.storage.addresses), the
+        # guard that checks such a tensor in one call (replaybuf.storage.tensorguard), and the
         # numpy view other values are assigned into: replaybuf.storage.bools).
         self.fields: list[tuple[Any, ...]] = []
         self.views = [view for *_, view in fields]
@@ -108,8 +112,20 @@ class RingRow:
                     info = np.iinfo(view.dtype)
                     limits = (int(info.min), int(info.max))
             numpy_types = (view.dtype, view.dtype.type)
-            tail = (number, limits, by_address(copy, dtype, shape), self.targets[at])
+            address_of = by_address(copy, dtype, shape)
+            guard = field_guard(dtype, shape) if address_of else None
+            tail = (number, limits, address_of, guard, self.targets[at])
             self.fields.append((at, name, dtype, shape, *numpy_types, *tail))
+        self.guarded = any(field[9] is not None for field in self.fields)  # any tensor guard
+        # A row of tensors only, every one copied by address: one guard call for them all, on
+        # the values read in one call
+        self.row_guard = (
+            row_guard([(dtype, shape) for _, dtype, shape, _ in fields])
+            if len(fields) > 1 and all(field[8] for field in self.fields)
+            else None
+        )
+        self.first = fields[0][0]
+        self.values_of = itemgetter(*[name for name, *_ in fields])  # a tuple: two or more
         self.count = len(fields)
         self.slots = slots
         self.index = index  # TorchRL's index column (each row's own slot), or None
@@ -125,66 +141,96 @@ class RingRow:
             experience = experience._tensordict  # its entries by name (see _leaves_by_name)
         if len(experience) != self.count or self.busy:
             return -1  # busy: an add nested in this one (user code run by a key's __eq__)
-        values: list[tuple[np.ndarray, Any]] = []  # (view, value) of fields not copied by address
+        assigned: list[tuple[np.ndarray, Any]] = []  # (view, value) of those not copied by address
         sources = self.sources
         addressed = checked = False
         try:
             self.busy = True
             try:
-                for field in self.fields:
-                    at, name, dtype, shape, np_dtype, scalar, number, limits, address_of, view = (
-                        field
-                    )
-                    value = experience[name]
-                    kind = type(value)
-                    if kind is np.ndarray:
-                        # `is` first: numpy's native dtypes are singletons, and cheaper to compare
-                        got = value.dtype
-                        if (got is not np_dtype and got != np_dtype) or value.shape != shape:
-                            break
-                    elif kind is torch.Tensor:
-                        if (
-                            value.dtype is not dtype
-                            or value.shape != shape
-                            or not value.is_cpu
-                            or value.layout is not _STRIDED
-                        ):
-                            break
-                        # The tensor check of RowPlan.stage (storage.fastrow), inline in both
-                        # hot paths: a function call per tensor field shows in their time.
-                        if (
-                            address_of
-                            and (address_of == ALWAYS or value.is_contiguous())
-                            and not value.is_neg()
-                        ):
-                            address = value.data_ptr()
-                            if not address:  # no memory behind it: the general path decides
-                                break
-                            sources[at] = address
-                            addressed = True
-                            continue
-                        # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
-                        # numpy() refuses what the general path must see (grad, conj/neg views)
-                        # but views a tensor without memory (data_ptr() 0) as it is: declined
-                        if shape == ():
-                            value = value.item()
-                        elif value.data_ptr():
-                            value = value.numpy()
-                        else:
-                            break
-                    elif kind is scalar:  # a numpy scalar of the field's dtype
-                        if shape != ():
-                            break
-                    elif kind is not number:  # bool is no int here: type() is exact
-                        break
-                    elif kind is int:
-                        if not limits[0] <= value <= limits[1]:
-                            break
-                    elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
-                        break
-                    values.append((view, value))
+                guarded = False
+                row_guard = self.row_guard
+                if row_guard is not None and type(experience[self.first]) is torch.Tensor:
+                    values = self.values_of(experience)
+                    guarded = row_guard(*values)
+                if guarded:
+                    # every value a tensor torch's guard passes, in one call: their addresses
+                    addressed = True
+                    checked = self._note_addresses(values)
                 else:
-                    checked = True
+                    for field in self.fields:
+                        (
+                            at,
+                            name,
+                            dtype,
+                            shape,
+                            np_dtype,
+                            scalar,
+                            number,
+                            limits,
+                            address_of,
+                            guard,
+                            view,
+                        ) = field
+                        value = experience[name]
+                        kind = type(value)
+                        if kind is np.ndarray:
+                            # `is` first: numpy's native dtypes are singletons, cheaper to compare
+                            got = value.dtype
+                            if (got is not np_dtype and got != np_dtype) or value.shape != shape:
+                                break
+                        elif kind is torch.Tensor:
+                            # torch's guard passes the usual tensor (dense, on the CPU, exact dtype
+                            # and shape, contiguous, no negative bit) in one call; what it refuses,
+                            # the attribute checks below decide
+                            if guard is not None and guard(value):
+                                address = value.data_ptr()
+                                if not address:  # no memory behind it: the general path decides
+                                    break
+                                sources[at] = address
+                                addressed = True
+                                continue
+                            if (
+                                value.dtype is not dtype
+                                or value.shape != shape
+                                or not value.is_cpu
+                                or value.layout is not _STRIDED
+                            ):
+                                break
+                            # The tensor check of RowPlan.stage (storage.fastrow), inline in both
+                            # hot paths: a function call per tensor field shows in their time.
+                            if (
+                                address_of
+                                and (address_of == ALWAYS or value.is_contiguous())
+                                and not value.is_neg()
+                            ):
+                                address = value.data_ptr()
+                                if not address:  # no memory behind it: the general path decides
+                                    break
+                                sources[at] = address
+                                addressed = True
+                                continue
+                            # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
+                            # numpy() refuses what the general path must see (grad, conj/neg views)
+                            # but views a tensor without memory (data_ptr() 0) as it is: declined
+                            if shape == ():
+                                value = value.item()
+                            elif value.data_ptr():
+                                value = value.numpy()
+                            else:
+                                break
+                        elif kind is scalar:  # a numpy scalar of the field's dtype
+                            if shape != ():
+                                break
+                        elif kind is not number:  # bool is no int here: type() is exact
+                            break
+                        elif kind is int:
+                            if not limits[0] <= value <= limits[1]:
+                                break
+                        elif kind is float and abs(value) > limits[1]:  # NaN: not beyond
+                            break
+                        assigned.append((view, value))
+                    else:
+                        checked = True
             except KeyError:  # a name the spec lacks (as many keys as fields): the general path
                 pass
             except _NO_VIEW:  # a tensor numpy cannot view: the general path detaches or refuses
@@ -204,7 +250,7 @@ class RingRow:
             raise
         finally:
             self.busy = False
-        for view, value in values:
+        for view, value in assigned:
             view[slot] = value
         if slot >= slots._index_known and self.index is not None:
             self.index[slot] = slot  # TorchRL's index column, written on the ring's first pass
@@ -212,6 +258,17 @@ class RingRow:
                 slots._index_known = slot + 1
         book.wrote(slot)
         return slot
+
+    def _note_addresses(self, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Note each tensor's address in ``sources`` (field order); False, declined, at one
+        without memory behind it (the general path decides on it)."""
+        sources = self.sources
+        for at, tensor in enumerate(tensors):
+            address = tensor.data_ptr()
+            if not address:
+                return False
+            sources[at] = address
+        return True
 
 
 def row_writer(slots: SlotStorage) -> RowWriter:
