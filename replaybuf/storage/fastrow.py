@@ -121,7 +121,10 @@ class RowPlan:
         from their addresses, all in one call at the end (see replaybuf.storage.addresses).
         """
         extras = step[3]
-        if not self._extras_fit(extras) or self.busy:
+        if extras is None:  # the usual: _extras_fit's first case, inline
+            if self.extras or self.busy:
+                return False
+        elif not self._extras_fit(extras) or self.busy:
             return False  # busy: a step nested in this one (user code run by a key's __eq__)
         sources = self.sources
         addressed = checked = False
