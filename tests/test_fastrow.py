@@ -119,6 +119,8 @@ def values_of(kind: str, rng: np.random.Generator):
         return obs, np.array(act), reward
     if kind == "torch":
         return torch.from_numpy(obs), torch.tensor(int(act)), torch.tensor(reward).float()
+    if kind == "torch, float":  # what a torch-wrapped gymnasium env gives: a Python reward
+        return torch.from_numpy(obs), torch.tensor(int(act)), reward
     if kind == "grad":  # a tensor that requires grad is stored detached
         return torch.from_numpy(obs).requires_grad_(), torch.tensor(int(act)), reward
     if kind == "views":  # a view at an offset; a 0-d view with torch's negative bit
@@ -133,7 +135,7 @@ def values_of(kind: str, rng: np.random.Generator):
 )
 @given(
     kinds=st.lists(
-        st.sampled_from(["numpy", "torch", "grad", "views", "lists", "end"]),
+        st.sampled_from(["numpy", "torch", "torch, float", "grad", "views", "lists", "end"]),
         min_size=1,
         max_size=60,
     ),
