@@ -161,7 +161,9 @@ class RowPlan:
                 value = step[arg] if name is None else extras[name]
                 kind = type(value)
                 if kind is np.ndarray:
-                    if value.dtype != np_dtype or value.shape != shape:
+                    # `is` first: numpy's native dtypes are singletons, cheaper to compare
+                    got = value.dtype
+                    if (got is not np_dtype and got != np_dtype) or value.shape != shape:
                         break
                 elif kind is torch.Tensor:
                     # torch's guard passes the usual tensor in one call (as in RingRow); what
