@@ -166,41 +166,35 @@ class RowPlan:
                     if (got is not np_dtype and got != np_dtype) or value.shape != shape:
                         break
                 elif kind is torch.Tensor:
-                    # torch's guard passes the usual tensor in one call (as in RingRow); what
-                    # it refuses, the attribute checks below decide
-                    if guard is not None and guard(value):
-                        address = value.data_ptr()
-                        if not address:  # no memory behind it: the general path decides
-                            break
-                        sources[column] = address
-                        addressed = True
-                        continue
-                    if (
-                        value.dtype is not dtype
-                        or not value.is_cpu
-                        or value.shape != shape
-                        or value.layout is not _STRIDED
-                    ):
-                        break
-                    # The tensor check of RingRow.__call__ (storage.ringrow), inline in both
-                    # hot paths: a function call per tensor field shows in their time.
+                    # torch's guard passes the usual tensor in one call (as in RingRow); what it
+                    # refuses (every tensor, without it), the attribute checks decide: the check
+                    # of RingRow.__call__ (storage.ringrow), inline in both hot paths
                     try:  # data_ptr() and numpy() refuse tensors without storage (vmap's)
-                        if (
-                            address_of
-                            and (address_of == ALWAYS or value.is_contiguous())
-                            and not value.is_neg()
-                        ):
-                            address = value.data_ptr()
-                            if not address:  # no memory behind it: the general path decides
+                        if guard is None or not guard(value):
+                            if (
+                                value.dtype is not dtype
+                                or not value.is_cpu
+                                or value.shape != shape
+                                or value.layout is not _STRIDED
+                            ):
                                 break
-                            sources[column] = address
-                            addressed = True
-                            continue
-                        if not value.data_ptr():  # no memory behind it (numpy() views it)
-                            break
-                        value = value.numpy()  # refuses grad and lazy conj/neg views too
+                            if not (
+                                address_of
+                                and (address_of == ALWAYS or value.is_contiguous())
+                                and not value.is_neg()
+                            ):
+                                if not value.data_ptr():  # no memory behind it (numpy() views it)
+                                    break
+                                array[at] = value.numpy()  # refuses grad, lazy conj/neg views
+                                continue
+                        address = value.data_ptr()
                     except _NO_VIEW:
                         break  # the general path detaches and copies, or refuses, those
+                    if not address:  # no memory behind it: the general path decides
+                        break
+                    sources[column] = address
+                    addressed = True
+                    continue
                 elif not (kind is float and takes_float):
                     value = fast_value(value, shape, dtype, np_dtype)
                     if value is None:

@@ -180,44 +180,40 @@ class RingRow:
                                 break
                         elif kind is torch.Tensor:
                             # torch's guard passes the usual tensor (dense, on the CPU, exact dtype
-                            # and shape, contiguous, no negative bit) in one call; what it refuses,
-                            # the attribute checks below decide
-                            if guard is not None and guard(value):
-                                address = value.data_ptr()
-                                if not address:  # no memory behind it: the general path decides
+                            # and shape, contiguous, no negative bit) in one call; what it refuses
+                            # (every tensor, without it), the attribute checks decide: the check
+                            # of RowPlan.stage (storage.fastrow), inline in both hot paths
+                            if guard is None or not guard(value):
+                                if (
+                                    value.dtype is not dtype
+                                    or value.shape != shape
+                                    or not value.is_cpu
+                                    or value.layout is not _STRIDED
+                                ):
                                     break
-                                sources[at] = address
-                                addressed = True
-                                continue
-                            if (
-                                value.dtype is not dtype
-                                or value.shape != shape
-                                or not value.is_cpu
-                                or value.layout is not _STRIDED
-                            ):
+                                if not (
+                                    address_of
+                                    and (address_of == ALWAYS or value.is_contiguous())
+                                    and not value.is_neg()
+                                ):
+                                    # 0-d: item() is exact (a Python number holds any 0-d
+                                    # value); shaped: numpy() refuses what the general path must
+                                    # see (grad, conj/neg views) but views a tensor without
+                                    # memory (data_ptr() 0) as it is: declined
+                                    if shape == ():
+                                        value = value.item()
+                                    elif value.data_ptr():
+                                        value = value.numpy()
+                                    else:
+                                        break
+                                    assigned.append((view, value))
+                                    continue
+                            address = value.data_ptr()
+                            if not address:  # no memory behind it: the general path decides
                                 break
-                            # The tensor check of RowPlan.stage (storage.fastrow), inline in both
-                            # hot paths: a function call per tensor field shows in their time.
-                            if (
-                                address_of
-                                and (address_of == ALWAYS or value.is_contiguous())
-                                and not value.is_neg()
-                            ):
-                                address = value.data_ptr()
-                                if not address:  # no memory behind it: the general path decides
-                                    break
-                                sources[at] = address
-                                addressed = True
-                                continue
-                            # 0-d: item() is exact (a Python number holds any 0-d value); shaped:
-                            # numpy() refuses what the general path must see (grad, conj/neg views)
-                            # but views a tensor without memory (data_ptr() 0) as it is: declined
-                            if shape == ():
-                                value = value.item()
-                            elif value.data_ptr():
-                                value = value.numpy()
-                            else:
-                                break
+                            sources[at] = address
+                            addressed = True
+                            continue
                         elif kind is scalar:  # a numpy scalar of the field's dtype
                             if shape != ():
                                 break
