@@ -9,6 +9,7 @@ import dataclasses
 import heapq
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from episode_helpers import action, batch_of, final_obs, obs, step
@@ -17,10 +18,13 @@ from hypothesis import strategies as st
 from test_bulk_episodes import Driver, apply, ops, snapshot
 
 from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf.accel.numba_loader import compiled_kernels, kernels_unavailable_reason
 from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room
 from replaybuf.episodes.finished import FinishedOrder
 from replaybuf.episodes.spares import Spares
+
+KERNELS = compiled_kernels()
 
 
 class PinningDriver(Driver):
@@ -237,3 +241,41 @@ def test_spares_hand_out_no_record_for_no_episodes():
     spares.records = [Episode(1, "a", 1)]
     assert spares.episodes(range(5, 5), "b", 9) == []
     assert [record.episode_id for record in spares.records] == [1]
+
+
+@pytest.mark.skipif(KERNELS is None, reason=f"{kernels_unavailable_reason()}")
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), backward=st.booleans())
+def test_evict_rows_agrees_with_the_general_eviction(data, backward):
+    size = data.draw(st.integers(4, 60))
+    perm = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).permutation(size)
+    anchors = perm[: data.draw(st.integers(0, size))]
+    held = data.draw(st.integers(1, size))
+    victims = np.random.default_rng(int(perm[0])).permutation(size)[:held]
+    finals_count = data.draw(st.integers(0, held - 1))
+    stepped, finals = (
+        victims[finals_count:].astype(np.int64),
+        victims[:finals_count].astype(np.int64),
+    )
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stepped)), max_size=5)))
+    ends = np.array([*cuts, len(stepped)], np.int64)
+
+    def columns() -> list[np.ndarray]:
+        rng = np.random.default_rng(size)
+        rows, pos = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
+        rows[: len(anchors)] = anchors
+        pos[anchors] = np.arange(len(anchors))
+        links = [rng.integers(-1, size, size), rng.integers(0, size, size)]
+        links += [rng.integers(-1, 9, size), rng.integers(0, 3, size).astype(np.int8)]
+        prev = rng.integers(-1, size, size) if backward else np.empty(0, np.int64)
+        return [rows, pos, *links, prev]
+
+    fused = columns()
+    freed = np.empty(held, np.int64)
+    count = KERNELS.evict_rows(stepped, ends, finals, *fused[:2], len(anchors), *fused[2:], freed)
+    general = columns()
+    want = KERNELS.remove_anchor_groups(stepped, ends, *general[:2], len(anchors))
+    KERNELS.release_rows(np.concatenate((stepped, finals)), *general[2:])
+    assert count == want
+    assert [c.tolist() for c in fused] == [c.tolist() for c in general]
+    assert freed.tolist() == np.concatenate((stepped, finals)).tolist()

@@ -1,12 +1,16 @@
-"""The compiled anchor removal of several evicted episodes at once, one group per episode
-(kept beside :mod:`replaybuf.accel.numba_kernels`, which exports it with its other kernels)."""
+"""The compiled eviction of several episodes at once: their anchors removed one group per
+episode, and their rows released and listed for the free stack, in one call (kept beside
+:mod:`replaybuf.accel.numba_kernels`, which exports them with its other kernels)."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
 
+from replaybuf.accel.numba_nstep import END_NONE
+
 _I64 = types.int64[::1]
+_I8 = types.int8[::1]
 _I64_IN = types.Array(types.int64, 1, "C", readonly=True)
 
 
@@ -50,4 +54,56 @@ def remove_anchor_groups(
             rows[at] = -1
         count = kept
         begin = end
+    return count
+
+
+@njit(
+    types.int64(
+        _I64_IN, _I64_IN, _I64_IN, _I64, _I64, types.int64, _I64, _I64, _I64, _I8, _I64, _I64
+    ),
+    cache=True,
+    boundscheck=False,
+)
+def evict_rows(
+    old: np.ndarray,
+    ends: np.ndarray,
+    finals: np.ndarray,
+    rows: np.ndarray,
+    pos: np.ndarray,
+    count: int,
+    next_row: np.ndarray,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    prev_row: np.ndarray,
+    freed: np.ndarray,
+) -> int:
+    """An eviction's row work in one call (``remove_episodes``' general path makes four):
+    :func:`remove_anchor_groups` of the steps ``old`` (groups ending at ``ends``), then
+    ``release_rows`` of ``old`` and the final rows ``finals``, which ``freed`` receives (in
+    that order). Returns the anchors' new count. Every row is checked before anything is
+    written."""
+    size = next_row.shape[0]
+    held = old.shape[0] + finals.shape[0]
+    if not (
+        pos.shape[0] == succ.shape[0] == episode.shape[0] == end_kind.shape[0] == size
+        and freed.shape[0] == held
+        and (prev_row.shape[0] == 0 or prev_row.shape[0] == size)
+    ):
+        raise ValueError("eviction: the columns differ in length")
+    for i in range(finals.shape[0]):
+        if not 0 <= finals[i] < size:
+            raise IndexError("bookkeeping write: a row out of range")
+    count = remove_anchor_groups(old, ends, rows, pos, count)  # checks old's rows first
+    freed[: old.shape[0]] = old
+    freed[old.shape[0] :] = finals
+    backward = prev_row.shape[0] == size
+    for i in range(held):
+        row = freed[i]
+        next_row[row] = -1
+        succ[row] = row
+        episode[row] = -1
+        end_kind[row] = END_NONE
+        if backward:
+            prev_row[row] = -1
     return count

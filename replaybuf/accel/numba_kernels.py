@@ -449,5 +449,6 @@ def place_batches(
         sources[i] = source
 
 
-# Exported with the other kernels (its own module keeps this one under the line limit).
+# Exported with the other kernels (their own module keeps these under the line limit).
+from replaybuf.accel.numba_groups import evict_rows as evict_rows  # noqa: E402
 from replaybuf.accel.numba_groups import remove_anchor_groups as remove_anchor_groups  # noqa: E402

@@ -142,6 +142,12 @@ class AnchorSet:
             self.remove_present(rows[begin:end])
             begin = end
 
+    def compiled_columns(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The host columns ``(rows, pos)`` when removals run compiled (no device copy to
+        tell of changes), for a kernel that removes rows as :meth:`remove_present_groups`
+        does and sets :attr:`count`; else None."""
+        return self._host if self._kernels is not None else None
+
     @property
     def on_host(self) -> bool:
         """Whether draws read the host columns (no device copy): :meth:`sample_host` works."""

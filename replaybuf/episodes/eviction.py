@@ -211,17 +211,7 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
     steps = int(ends[-1])
     ended = [row for row in finals if row is not None]  # final rows
     if steps or ended:
-        stepped = np.frombuffer(b"".join(owns), np.int64)
-        # Each episode's steps as one group, as remove_episode removes them; its final row
-        # is never an anchor (nothing follows it), so it changes nothing there.
-        core.anchors.remove_present_groups(stepped, ends)
-        held = np.concatenate((stepped, np.array(ended, np.int64))) if ended else stepped
-        core.links.release(held)
-        core.slots.release_ragged(held)
-        if core.priorities is not None:
-            device = core.slots.storing_device
-            core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
-        freed = np.sort(held)[::-1]  # storage order, as pops hand them out
+        freed = _free_rows(core, np.frombuffer(b"".join(owns), np.int64), ends, ended)
         if core.pinned:
             core.quarantine.extend(freed.tolist())
         else:
@@ -239,6 +229,35 @@ def remove_episodes(core: EpisodeCore, episodes: list[Episode]) -> None:
     if went:
         drop_run(core)
     core.spares.keep(episodes)
+
+
+def _free_rows(
+    core: EpisodeCore, stepped: np.ndarray, ends: np.ndarray, ended: list[int]
+) -> np.ndarray:
+    """Take the victims' rows, their steps ``stepped`` (episode g's end at ``ends[g]``) and
+    final rows ``ended``, out of the anchors, links, ragged values and priorities; returns
+    them in descending storage order, the free stack's (pops hand out the lowest first)."""
+    finals = np.array(ended, np.int64)
+    anchors, links = core.anchors.compiled_columns(), core.links.release_columns()
+    if anchors is not None and links is not None and core.kernels is not None:
+        # The passes of the general path below in one compiled call (one dispatch, no
+        # intermediate array).
+        held = np.empty(stepped.shape[0] + finals.shape[0], np.int64)
+        core.anchors.count = core.kernels.evict_rows(
+            stepped, ends, finals, *anchors, core.anchors.count, *links, held
+        )
+        core.links.released(held)
+    else:
+        # Each episode's steps as one group, as remove_episode removes them; its final row
+        # is never an anchor (nothing follows it), so it changes nothing there.
+        core.anchors.remove_present_groups(stepped, ends)
+        held = np.concatenate((stepped, finals)) if ended else stepped
+        core.links.release(held)
+    core.slots.release_ragged(held)
+    if core.priorities is not None:
+        device = core.slots.storing_device
+        core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
+    return np.sort(held)[::-1]  # (numpy's sort: several times numba's)
 
 
 def _read_victims(episodes: list[Episode]) -> tuple[list[array], list[int | None], list[int], bool]:

@@ -257,6 +257,20 @@ class RowLinks:
                 c.prev_row[rows] = -1
         self._touched(rows)
 
+    def release_columns(self) -> tuple[np.ndarray, ...] | None:
+        """``next_row, succ, episode, end_kind, prev_row`` (empty when not kept), the columns
+        :meth:`release` writes, when it runs compiled: a kernel releasing rows as it does
+        writes them, then calls :meth:`released`; else None."""
+        if self._kernels is None:
+            return None
+        c = self._master
+        return c.next_row, c.succ, c.episode, c.end_kind, self._prev
+
+    def released(self, rows: np.ndarray) -> None:
+        """What :meth:`release` does besides the column writes (after a kernel's)."""
+        self.version += 1
+        self._touched(rows)
+
     def ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Ids of the rows' current contents: allocation * capacity + row (unique for life)."""
         return self.alloc.index_select(0, rows) * self.capacity + rows
