@@ -9,6 +9,7 @@ columns until a flush places it.
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ class BatchRun:
 
     Holds the episodes of the last ``append_batch`` and the rows of later batches of the same
     episodes (a vectorized env between resets), so that such a batch costs no per-episode
-    work: the core checks the ids once (:meth:`EpisodeCore.repeat_batch`) and keeps the new
+    work: the core checks the ids once (:meth:`repeated`) and keeps the new
     rows here. Their bookkeeping (:meth:`pack`, at a flush) and each episode's row array
     (:meth:`settle_rows`, when read, or once ``_SETTLE_BATCHES`` are packed) are made later for
     many batches at once. Valid while ``allocations`` matches the core's (no row handed out
@@ -36,7 +37,7 @@ class BatchRun:
         self, episodes: list[Episode], ids: array, steps: array, rows: array, allocations: int
     ) -> None:
         self.episodes, self.episode_ids = episodes, ids.tolist()
-        self.low_ids = min(self.episode_ids) <= 1  # ids a bool equals (see repeat_batch)
+        self.low_ids = min(self.episode_ids) <= 1  # ids a bool equals (see repeated)
         self.ids = np.frombuffer(ids, np.int64)
         # Each episode's step number in the first batch not yet packed; the rows of the last
         # packed batch, which that batch links from.
@@ -49,6 +50,28 @@ class BatchRun:
         self.protected: set[int] | None = None  # the episodes' ids, once an eviction asks
         for episode in episodes:
             episode.run = self
+
+    def repeated(self, episode_ids: list[Any]) -> list[Episode] | None:
+        """The run's episodes if ``episode_ids`` names them again (plain ints, same order);
+        else None. The run lasts only while none of them has ended or gone."""
+        if len(episode_ids) != len(self.episode_ids):
+            return None
+        # Ints first (True == 1 and 1.0 == 1, and comparing arrays raises): a sum of ints is
+        # an int, and a float, numpy scalar, array or tensor in it makes something else or
+        # raises. A bool adds as an int, but it equals only episode 0 or 1, so a run holding
+        # those checks every type (slower than the sum).
+        try:
+            if self.low_ids:
+                ints = list(map(type, episode_ids)).count(int) == len(episode_ids)
+            else:
+                ints = type(sum(episode_ids)) is int
+            if not ints or episode_ids != self.episode_ids:
+                return None
+        except Exception:  # whatever a bad id raises here, the checks of every id name it
+            return None
+        # The caller's int objects: the next call's comparison takes identity shortcuts.
+        self.episode_ids = episode_ids
+        return self.episodes
 
     def add(self, rows: array, allocations: int) -> None:
         """One more batch of rows (one per episode, in order); ``allocations``: the core's

@@ -353,27 +353,9 @@ class EpisodeCore:
         return {episode.episode_id for episode in episodes}
 
     def repeat_batch(self, episode_ids: list[Any]) -> list[Episode] | None:
-        """The episodes of the last ``append_batch`` if ``episode_ids`` names them again (plain
-        ints, same order) and none has ended or been evicted since; else None (check them)."""
-        run = self._run
-        if run is None or len(episode_ids) != len(run.episode_ids):
-            return None
-        # Ints first (True == 1 and 1.0 == 1, and comparing arrays raises): a sum of ints is
-        # an int, and a float, numpy scalar, array or tensor in it makes something else or
-        # raises. A bool adds as an int, but it equals only episode 0 or 1, so a run holding
-        # those checks every type (slower than the sum).
-        try:
-            if run.low_ids:
-                ints = list(map(type, episode_ids)).count(int) == len(episode_ids)
-            else:
-                ints = type(sum(episode_ids)) is int
-            if not ints or episode_ids != run.episode_ids:
-                return None
-        except Exception:  # whatever a bad id raises here, the checks of every id name it
-            return None
-        # The caller's int objects: the next call's comparison takes identity shortcuts.
-        run.episode_ids = episode_ids
-        return run.episodes
+        """The episodes of the last ``append_batch`` if ``episode_ids`` names them again
+        (:meth:`BatchRun.repeated`); else None (check them)."""
+        return None if self._run is None else self._run.repeated(episode_ids)
 
     def in_progress_all(self, episode_ids: list[Any], action: str) -> list[Episode]:
         """:meth:`in_progress` for several ids (the precise error for the first bad one)."""
