@@ -253,7 +253,7 @@ def _free_rows(
         core.anchors.remove_present_groups(stepped, ends)
         held = np.concatenate((stepped, finals)) if ended else stepped
         core.links.release(held)
-    core.slots.release_ragged(held)
+    core.slots.ragged.release(held)
     if core.priorities is not None:
         device = core.slots.storing_device
         core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))
@@ -283,7 +283,7 @@ def remove_episode(core: EpisodeCore, episode: Episode) -> None:
         held = np.frombuffer(rows, np.int64)
         core.anchors.remove_present(held)
         core.links.release(held)
-        core.slots.release_ragged(held)  # ragged values: garbage until the arena compacts
+        core.slots.ragged.release(held)  # ragged values: garbage until the arena compacts
         if core.priorities is not None:  # evicted steps leave the distribution at once
             device = core.slots.storing_device
             core.priorities.remove(to_device_async(torch.from_numpy(held.copy()), device))

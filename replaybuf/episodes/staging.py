@@ -53,7 +53,7 @@ def stage(core: EpisodeCore, rows: Sequence[int], data: dict[Key, Any]) -> None:
     if core.slots.ragged:
         ragged = {k: v for k, v in data.items() if isinstance(v, Ragged)}
         data = {k: v for k, v in data.items() if not isinstance(v, Ragged)}
-        core.slots.write_ragged(np.asarray(rows, dtype=np.int64), ragged)
+        core.slots.ragged.write(np.asarray(rows, dtype=np.int64), ragged)
     if not core._stager.fits(len(rows)):
         core.flush()
     if core._stager.fits(len(rows)):

@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -258,6 +259,26 @@ class RaggedColumn:
         rows = np.flatnonzero(lengths.numpy() > 0)
         if rows.size:
             self.write(rows, Ragged(values, lengths[rows]))
+
+
+class RaggedFields(dict[Any, RaggedColumn]):
+    """Each ragged field's column, by key, and what a storage does to all of them at once."""
+
+    def write(self, slots: np.ndarray, leaves: dict[Any, Ragged]) -> None:
+        """Give ``slots`` (int64) the values of each ragged field, row for row."""
+        for key, value in leaves.items():
+            self[key].write(slots, value)
+
+    def release(self, slots: np.ndarray) -> None:
+        """Free ``slots``' ragged values (freed or evicted rows)."""
+        for column in self.values():
+            column.release(slots)
+
+    def close(self) -> None:
+        """Close every column and forget them."""
+        for column in self.values():
+            column.close()
+        self.clear()
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ from replaybuf.storage.host_gather import host_gather
 from replaybuf.storage.hugepages import advise_huge_pages
 from replaybuf.storage.planning import SlotPlanning
 from replaybuf.storage.quiet import quiet_allocation
-from replaybuf.storage.ragged import Ragged, RaggedColumn
+from replaybuf.storage.ragged import RaggedColumn, RaggedFields
 from replaybuf.storage.schema import FieldSpec, Key
 from replaybuf.storage.scratch import ScratchFolder, check_scratch_dir
 from replaybuf.storage.staging import row_words
@@ -83,7 +83,7 @@ class SlotStorage(SlotPlanning):
             check_scratch_dir(scratch_dir)
         self.spec: FieldSpec | None = None
         # Each ragged field's arena and row spans (see replaybuf.storage.ragged), by key.
-        self.ragged: dict[Key, RaggedColumn] = {}
+        self.ragged = RaggedFields()
         # The rows a full buffer holds, for the ragged arenas' size (None: every slot).
         self.rows_hint: Callable[[], int] | None = None
         self._scratch_parent = scratch_dir
@@ -102,10 +102,9 @@ class SlotStorage(SlotPlanning):
         # slicing, a batch makes a dozen such calls, and on uint8 frames np.take also copies
         # faster. Keyed by id of the column tensor (alive in _columns while the view is here).
         self._host_views: dict[int, np.ndarray] = {}
-        # A compiled row scatter (replaybuf.accel.numba_kernels.scatter_rows) that write_rows
-        # uses on CPU storage instead of index_copy_, set by the episode core (whose rows land
-        # all over the columns); with it, each column as [slots, row words] (None: a row of no
-        # bytes).
+        # The compiled row scatter (accel.numba_kernels.scatter_rows) write_rows uses on CPU
+        # storage, set by the episode core (rows land all over the columns); with it, each
+        # column as [slots, row words] (None: a row of no bytes).
         self.row_scatter: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._row_words: dict[Key, np.ndarray | None] | None = None
         self._stager = PinnedStager()
@@ -133,7 +132,7 @@ class SlotStorage(SlotPlanning):
         if capacity is not None:
             self.capacity = capacity
         self.spec = None
-        self._close_ragged()
+        self.ragged.close()
         self.memory = self._new_memory()
 
     def close(self, wait: bool = True) -> None:
@@ -145,7 +144,7 @@ class SlotStorage(SlotPlanning):
         # Its rows go now, not at the next garbage collection; memmap columns with the files.
         held = [] if self.memory is None else release(self.memory)
         self.memory = None
-        self._close_ragged()
+        self.ragged.close()
         self._stager.clear()
         if self._scratch is not None:
             self._scratch.remove(held, wait=wait)
@@ -167,7 +166,7 @@ class SlotStorage(SlotPlanning):
             self.spec = spec
             self.memory = self._new_memory()
         self.spec = spec
-        self.ragged = {
+        fields = {
             key: RaggedColumn(
                 self.capacity,
                 spec[key].shape,
@@ -180,6 +179,7 @@ class SlotStorage(SlotPlanning):
             )
             for i, key in enumerate(spec.ragged_keys)
         }
+        self.ragged = RaggedFields(fields)
         for column in self.ragged.values():
             column.rows_hint = self.rows_hint
 
@@ -405,8 +405,7 @@ class SlotStorage(SlotPlanning):
     def _host_rows_of(
         self, column: torch.Tensor, rows: torch.Tensor | slice | None
     ) -> torch.Tensor:
-        """:func:`rows_of`, gathered in numpy when ``column`` is a stored column with a numpy
-        view (see ``_host_views``)."""
+        """:func:`rows_of`, in numpy for a stored column with a numpy view (``_host_views``)."""
         view = self._host_views.get(id(column))
         if view is None or not isinstance(rows, torch.Tensor):
             return rows_of(column, rows)
@@ -425,34 +424,16 @@ class SlotStorage(SlotPlanning):
         return [column for _, column in self._leaves]
 
     def host_view(self, key: Key) -> np.ndarray | None:
-        """The column of ``key`` as a numpy view (the caller must not write into it), or None
-        where the storage is not on the CPU or numpy lacks the dtype."""
+        """``key``'s column as a numpy view (not to be written), or None (not CPU, no dtype)."""
         column = self._columns.get(key)
         return None if column is None else self._host_views.get(id(column))
 
     def stored_bytes(self) -> int:
-        """Bytes the allocated rows occupy (user fields, TorchRL's own index column, ragged
-        fields' arenas and spans)."""
+        """Bytes the allocated rows take (fields, TorchRL's index column, ragged arenas)."""
         ragged = sum(column.nbytes for column in self.ragged.values())
         if self.memory is None or not self._leaves:
             return ragged
         return allocated_bytes(self.memory) + ragged
-
-    # ----------------------------------------------------------------- ragged fields
-    def write_ragged(self, slots: np.ndarray, leaves: dict[Key, Ragged]) -> None:
-        """Give ``slots`` (int64) the values of each ragged field, row for row."""
-        for key, value in leaves.items():
-            self.ragged[key].write(slots, value)
-
-    def _close_ragged(self) -> None:
-        for column in self.ragged.values():
-            column.close()
-        self.ragged = {}
-
-    def release_ragged(self, slots: np.ndarray) -> None:
-        """Free ``slots``' ragged values (freed or evicted rows)."""
-        for column in self.ragged.values():
-            column.release(slots)
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self, rows: int) -> dict[str, Any]:
