@@ -74,20 +74,17 @@ def contents(buf: SyncEpisodeReplayBuffer) -> dict:
     }
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("start"), st.integers(1, 4)),
-        st.tuples(st.just("batch"), st.lists(st.integers(0, 20), min_size=1, max_size=5)),
-        st.tuples(st.just("step"), st.integers(0, 20)),
-        st.tuples(
-            st.just("end"),
-            st.lists(st.integers(0, 20), min_size=1, max_size=6),
-            st.sampled_from(["terminated", "truncated", "mixed"]),
-        ),
+op = st.one_of(
+    st.tuples(st.just("start"), st.integers(1, 4)),
+    st.tuples(st.just("batch"), st.lists(st.integers(0, 20), min_size=1, max_size=5)),
+    st.tuples(st.just("step"), st.integers(0, 20)),
+    st.tuples(
+        st.just("end"),
+        st.lists(st.integers(0, 20), min_size=1, max_size=6),
+        st.sampled_from(["terminated", "truncated", "mixed"]),
     ),
-    min_size=4,
-    max_size=30,
 )
+ops = st.lists(op, min_size=4, max_size=30)
 
 
 class Driver:

@@ -32,6 +32,7 @@ from replaybuf.accel.numba_nstep import nstep_windows as nstep_windows
 from replaybuf.accel.numba_nstep import stack_rows as stack_rows
 from replaybuf.accel.numba_nstep import window_stacks as window_stacks
 from replaybuf.accel.numba_rows import copy_row as copy_row
+from replaybuf.accel.numba_rows import scatter_from as scatter_from
 
 _F64 = types.float64[::1]
 _F64_2D = types.float64[:, ::1]

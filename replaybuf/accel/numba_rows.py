@@ -19,6 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _I64 = types.int64[::1]
+_I64_IN = types.Array(types.int64, 1, "C", readonly=True)
 _I64_2D_IN = types.Array(types.int64, 2, "C", readonly=True)  # read only: writable ones convert
 
 
@@ -57,3 +58,42 @@ def copy_row(layout: np.ndarray, sources: np.ndarray, row: int) -> None:
         else:
             into[:] = given
         sources[i] = 0
+
+
+@njit(cache=True, boundscheck=False)
+def _scatter_words(
+    base: int, stride: int, source: int, width: int, rows: np.ndarray, word: Any, flag: int
+) -> None:
+    """One field of :func:`scatter_from` in words of ``word``'s type (``width`` of them a row,
+    ``stride`` and ``base`` multiples of its size): the copies LLVM can widen."""
+    count = rows.shape[0]
+    given = carray(_pointer(source), (count * width,), word.dtype)
+    for j in range(count):
+        into = carray(_pointer(base + rows[j] * stride), (width,), word.dtype)
+        at = j * width
+        if flag:
+            for k in range(width):
+                into[k] = given[at + k] != 0
+        else:
+            for k in range(width):
+                into[k] = given[at + k]
+
+
+@njit(types.void(_I64_2D_IN, _I64, _I64_IN, types.int64), cache=True, boundscheck=False)
+def scatter_from(layout: np.ndarray, sources: np.ndarray, rows: np.ndarray, size: int) -> None:
+    """Copy row ``j`` of each field ``i``, ``layout[i, 2]`` bytes at ``sources[i] + j *
+    layout[i, 2]`` (a contiguous ``[len(rows), ...]`` source), into row ``rows[j]`` of its
+    column (``layout`` as :func:`copy_row` takes it), a bool field's bytes as 0 or 1. The
+    rows are checked to lie inside the columns' ``size`` rows before anything is written."""
+    for j in range(rows.shape[0]):
+        if not 0 <= rows[j] < size:
+            raise IndexError("row write: a slot out of range")
+    for i in range(layout.shape[0]):
+        base, stride, width, flag = layout[i, 0], layout[i, 1], layout[i, 2], layout[i, 3]
+        source = sources[i]
+        if flag == 0 and (base | stride | width | source) % 8 == 0:
+            _scatter_words(base, stride, source, width // 8, rows, np.zeros(1, np.uint64), 0)
+        elif flag == 0 and (base | stride | width | source) % 4 == 0:
+            _scatter_words(base, stride, source, width // 4, rows, np.zeros(1, np.uint32), 0)
+        else:
+            _scatter_words(base, stride, source, width, rows, np.zeros(1, np.uint8), flag)

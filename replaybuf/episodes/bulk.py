@@ -233,7 +233,7 @@ def end_many(
         episode = episodes[at]
         take = 0
         if batch is not None and stager is not None and _room_free(core):
-            room = min(stager.capacity - len(stager), len(core.free))
+            room = min(stager.capacity - stager.pending, len(core.free))
             # The episodes from ``at`` on up to the next one without steps, as many as fit.
             stop = steps.index(0, at) if 0 in steps[at:] else count
             take = max(0, min(room, stop - at))

@@ -290,7 +290,7 @@ class EpisodeCore:
         step = (observation, action, reward, extras)
         cap = self.max_episodes
         evict = self.steps >= self.max_steps or not self.free or (cap and len(self.episodes) > cap)
-        if evict or len(stager.rows) >= stager.capacity:
+        if evict or stager.pending >= stager.capacity:
             # Evicting or writing a full stager changes storage: the step is checked in the
             # spare row first, so that a declined value still leaves everything as it was.
             if not plan.stage(stager.capacity, step):
@@ -330,7 +330,12 @@ class EpisodeCore:
         # Nothing can refuse from here on (the values were checked, the rows are free).
         rows = assign_rows(self, episodes)
         if count <= stager.capacity:  # the usual: one part, not sliced
-            stager.put(values, rows)
+            # Straight into storage where the values allow it (one pass over memory, where
+            # staging makes three); their bookkeeping waits for the flush as staged rows' does.
+            if self.slots.write_batch(rows, stager.keys, values):
+                stager.direct += count
+            else:
+                stager.put(values, rows)
             return True
         # More environments than a stager holds (thousands, from EnvPool say) go through it in
         # parts (it is empty now: see flush_if_full), a flush before each part after the
@@ -397,7 +402,7 @@ class EpisodeCore:
             return False
         cap = self.max_episodes
         evict = self.steps > self.max_steps or not self.free or (cap and len(self.episodes) > cap)
-        if evict or len(stager.rows) >= stager.capacity:  # as append_one: the spare row first
+        if evict or stager.pending >= stager.capacity:  # as append_one: the spare row first
             if not plan.stage_final(stager.capacity, observation):
                 return False
             self._room_to_stage(bool(evict), 0, episode)  # may refuse: nothing changed
@@ -455,6 +460,8 @@ class EpisodeCore:
             # written and placed, so this counts as a flush as any other does. Eviction reads
             # the count (``flushed``), and a restored buffer evicts as the saved one would only
             # if an episode that ended staging nothing (no steps) reads as flushed after it.
+            if stager is not None:
+                stager.direct = 0  # (rows written straight come with a batch run's pending)
             self.flushes += 1
             return
         if stager is not None and len(stager):
@@ -473,6 +480,8 @@ class EpisodeCore:
                 run.commit()  # only now: a failed placement leaves the batches pending
                 admit(self, starts)
         apply_staged(self)
+        if stager is not None:
+            stager.direct = 0  # their rows' bookkeeping is placed now too
         self.flushes += 1  # only now: everything staged before is in storage
 
     def clear(self) -> None:

@@ -116,7 +116,7 @@ def stage_steps(core: EpisodeCore, episode: Episode, count: int, values: list[An
     done = 0
     while done < count:
         evict = core.steps >= core.max_steps or not core.free or (cap and len(core.episodes) > cap)
-        room = stager.capacity - len(stager.rows)
+        room = stager.capacity - stager.pending
         if evict or room <= 0:
             # One step as the per-step path takes it: into the spare row, then room made
             # (a full stager flushed, victims evicted), then staged.

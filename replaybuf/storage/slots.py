@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import TensorDictReplayBuffer
 
+from replaybuf.storage.batchwrite import BatchWriter
 from replaybuf.storage.delivery import Part, PinnedStager, count_rows, rows_of, to_device_async
 from replaybuf.storage.devices import StorageChoice, StorageKind
 from replaybuf.storage.host_gather import host_gather
@@ -54,6 +56,7 @@ from replaybuf.storage.torchrl_state import (
 
 _CPU = torch.device("cpu")
 _GATHER = "storage.host_gather"  # its entry in derived: how gather reads every field on the host
+_BATCH = "storage.batch_writer"  # its entry in derived: (keys, BatchWriter or None)
 
 
 class SlotStorage(SlotPlanning):
@@ -302,6 +305,22 @@ class SlotStorage(SlotPlanning):
         # Every TorchRL reader of the last cursor takes its last element: as an int it costs
         # TorchRL no tensor indexing and no .item() (a device sync on CUDA).
         record_write(self.memory.storage, slots if last is None else last, slots)
+
+    def write_batch(self, rows: array, keys: list[Key], values: list[Any]) -> bool:
+        """:meth:`write_rows` of ``[len(rows), ...]`` values straight from the caller's memory
+        (:mod:`replaybuf.storage.batchwrite`); False, nothing written, where it does not run."""
+        # Not before the memmap files are reserved whole (write_rows reserves first).
+        if not self._direct or self.row_scatter is None or self._reserved < self.capacity:
+            return False
+        made = self.derived.get(_BATCH)
+        if made is None or made[0] is not keys:
+            views = [self._host_views.get(id(self._columns.get(k))) for k in keys]
+            whole = len(keys) == len(self._leaves)  # every stored key
+            made = self.derived[_BATCH] = (keys, BatchWriter.of(views) if whole else None)
+        if made[1] is None or not made[1].write(rows, values):
+            return False
+        record_slots(self.derived, self.memory, torch.frombuffer(rows, dtype=torch.long), rows[-1])
+        return True
 
     def _write_through_torchrl(self, slots: torch.Tensor, td: TensorDictBase) -> None:
         """Write rows at ``slots`` through TorchRL's own ``set`` (a first write allocates)."""

@@ -41,6 +41,9 @@ class RowStager:
         # Storage rows of the staged rows: int64, so that drain makes one tensor of them with
         # torch.frombuffer (torch.tensor converts a list of Python ints one int at a time).
         self.rows = array("q")
+        # Rows of this flush written straight to storage instead (SlotStorage.write_batch):
+        # they count toward a flush as staged rows do, so flushes come as often either way.
+        self.direct = 0
         # numpy views of the columns, for the per-step fast path (replaybuf.storage.fastrow:
         # numpy item assignment costs far less than a copy_ per field); None where a dtype has
         # no numpy twin (bfloat16, ...).
@@ -80,8 +83,13 @@ class RowStager:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def pending(self) -> int:
+        """Rows of the next flush: staged, or written straight to storage."""
+        return len(self.rows) + self.direct
+
     def fits(self, count: int) -> bool:
-        return len(self.rows) + count <= self.capacity
+        return self.pending + count <= self.capacity
 
     def stage(self, rows: Sequence[int], leaves: dict[Key, torch.Tensor]) -> None:
         """Copy ``len(rows)`` rows of ``leaves`` (each ``[len(rows), ...]``); caller checks fits."""
