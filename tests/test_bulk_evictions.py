@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bulk_episodes import Driver, apply, ops, snapshot
 
-from replaybuf import SyncEpisodeReplayBuffer
+from replaybuf import CapacityError, SyncEpisodeReplayBuffer
 from replaybuf.accel.numba_loader import compiled_kernels, kernels_unavailable_reason
 from replaybuf.episodes.episode import Episode
 from replaybuf.episodes.eviction import make_room
@@ -279,3 +279,27 @@ def test_evict_rows_agrees_with_the_general_eviction(data, backward):
     assert count == want
     assert [c.tolist() for c in fused] == [c.tolist() for c in general]
     assert freed.tolist() == np.concatenate((stepped, finals)).tolist()
+
+
+def test_a_refusal_names_many_protected_episodes_briefly():
+    """A vector env's thousand episodes in one refusal: the first few ids, the last, the count."""
+    buf = SyncEpisodeReplayBuffer(1500, 2000, storage="tensor", seed=0)
+    ids = buf.start_episodes(1000)
+    buf.append_batch(ids, *batch_of([step(e, 0) for e in ids]))
+    with pytest.raises(CapacityError, match="max_steps") as refused:
+        buf.append_batch(ids, *batch_of([step(e, 1) for e in ids]))
+    message = str(refused.value)
+    assert "[0, 1, 2, 3, 4, 5, 6, ..., 999] (1000 in all) being written" in message
+    assert len(message) < 400
+    assert buf.stats()["steps"] == 1000  # the refusal changed nothing
+    assert len(buf) == 0  # (a first step each: none has a next observation yet)
+    buf.close()
+
+
+def test_a_refusal_names_a_few_protected_episodes_in_full():
+    buf = SyncEpisodeReplayBuffer(4, 10, storage="tensor", seed=0)
+    ids = buf.start_episodes(3)
+    buf.append_batch(ids, *batch_of([step(e, 0) for e in ids]))
+    with pytest.raises(CapacityError, match=r"episode\(s\) \[0, 1, 2\] being written"):
+        buf.append_batch(ids, *batch_of([step(e, 1) for e in ids]))
+    buf.close()

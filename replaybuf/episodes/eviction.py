@@ -148,12 +148,22 @@ def choose_victims(
         raise CapacityError(
             f"cannot make room for {steps} step(s) and {episodes} episode(s): "
             f"max_steps={core.max_steps}, max_episodes={core.max_episodes}, and "
-            f"episode(s) {sorted(protected)} being written cannot be evicted",
+            f"episode(s) {_some(protected)} being written cannot be evicted",
             # the limit reached: the steps' (the rows' follow it), else the episodes'
             argument="max_steps" if over_steps > 0 or over_rows > 0 else "max_episodes",
         )
     finally:
         candidates.close()  # puts the finished episodes it popped back on the heap
+
+
+def _some(ids: set[int], shown: int = 8) -> str:
+    """``ids`` sorted, the first few and the last when there are many (a vector env's
+    thousands would make an error message of pages)."""
+    ordered = sorted(ids)
+    if len(ordered) <= shown:
+        return str(ordered)
+    head = ", ".join(map(str, ordered[: shown - 1]))
+    return f"[{head}, ..., {ordered[-1]}] ({len(ordered)} in all)"
 
 
 def eviction_order(core: EpisodeCore, protected: set[int]) -> Generator[Episode, None, None]:
