@@ -57,6 +57,29 @@ def remove_anchor_groups(
     return count
 
 
+@njit(cache=True, boundscheck=False)
+def release(
+    rows: np.ndarray,
+    next_row: np.ndarray,
+    succ: np.ndarray,
+    episode: np.ndarray,
+    end_kind: np.ndarray,
+    prev_row: np.ndarray,
+    backward: bool,
+) -> None:
+    """The writes of ``release_rows`` (:mod:`replaybuf.accel.numba_kernels`) and of
+    :func:`evict_rows`, on rows their callers checked: no episode, successor, predecessor
+    (``backward``: prev_row is kept) or end kind."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        next_row[row] = -1
+        succ[row] = row
+        episode[row] = -1
+        end_kind[row] = END_NONE
+        if backward:
+            prev_row[row] = -1
+
+
 @njit(
     types.int64(
         _I64_IN, _I64_IN, _I64_IN, _I64, _I64, types.int64, _I64, _I64, _I64, _I8, _I64, _I64
@@ -97,13 +120,5 @@ def evict_rows(
     count = remove_anchor_groups(old, ends, rows, pos, count)  # checks old's rows first
     freed[: old.shape[0]] = old
     freed[old.shape[0] :] = finals
-    backward = prev_row.shape[0] == size
-    for i in range(held):
-        row = freed[i]
-        next_row[row] = -1
-        succ[row] = row
-        episode[row] = -1
-        end_kind[row] = END_NONE
-        if backward:
-            prev_row[row] = -1
+    release(freed, next_row, succ, episode, end_kind, prev_row, prev_row.shape[0] == size)
     return count

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
+from replaybuf.accel.numba_groups import release
 from replaybuf.accel.numba_nstep import END_NONE
 from replaybuf.accel.numba_nstep import frame_nstep as frame_nstep
 from replaybuf.accel.numba_nstep import nstep_windows as nstep_windows
@@ -358,14 +359,7 @@ def release_rows(
         raise ValueError("bookkeeping write: the columns differ in length")
     backward = _kept(prev_row, size)
     _check_rows(rows, size)
-    for i in range(rows.shape[0]):
-        row = rows[i]
-        next_row[row] = -1
-        succ[row] = row
-        episode[row] = -1
-        end_kind[row] = END_NONE
-        if backward:
-            prev_row[row] = -1
+    release(rows, next_row, succ, episode, end_kind, prev_row, backward)
 
 
 @njit(types.int64(_I64_IN, _I64, _I64, types.int64), cache=True, boundscheck=False)
